@@ -1,0 +1,77 @@
+#include "runtime/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace nb {
+
+Status SamplingParams::validate() const {
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature))
+    return error("temperature must be a finite number >= 0, got " + std::to_string(temperature));
+  if (!(top_p > 0.0f && top_p <= 1.0f)) return error("top_p must be in (0, 1], got " + std::to_string(top_p));
+  if (top_k < -1) return error("top_k must be -1, 0 (all) or positive, got " + std::to_string(top_k));
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) return error("min_p must be in [0, 1], got " + std::to_string(min_p));
+  return Status();
+}
+
+Sampler::Sampler(const SamplingParams& params)
+    : params_(params), rng_(params.has_seed ? params.seed : std::random_device{}()) {}
+
+int32_t argmax(std::span<const float> logits) {
+  int32_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i)
+    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
+  return best;
+}
+
+int32_t Sampler::sample(std::span<const float> logits) {
+  NB_CHECK(!logits.empty());
+  if (params_.greedy()) return argmax(logits);
+  const int vocab = static_cast<int>(logits.size());
+
+  // Candidates sorted by logit, descending (ties: lower id first), cut to top-k.
+  std::vector<int32_t> ids(vocab);
+  std::iota(ids.begin(), ids.end(), 0);
+  const int k = (params_.top_k > 0 && params_.top_k < vocab) ? params_.top_k : vocab;
+  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
+  ids.resize(k);
+
+  // Softmax at temperature, in double for a stable cumulative sum.
+  std::vector<double> p(k);
+  const double max_logit = logits[ids[0]];
+  double sum = 0;
+  for (int i = 0; i < k; ++i) sum += p[i] = std::exp((logits[ids[i]] - max_logit) / params_.temperature);
+  for (double& v : p) v /= sum;
+
+  // Top-p: the smallest prefix whose mass reaches top_p (at least one token).
+  int n = k;
+  if (params_.top_p < 1.0f) {
+    double cum = 0;
+    for (int i = 0; i < k; ++i) {
+      cum += p[i];
+      if (cum >= params_.top_p) {
+        n = i + 1;
+        break;
+      }
+    }
+  }
+  // Min-p: drop tokens whose probability is below min_p times the top one.
+  if (params_.min_p > 0.0f) {
+    const double floor_p = params_.min_p * p[0];
+    while (n > 1 && p[n - 1] < floor_p) --n;
+  }
+  double mass = 0;
+  for (int i = 0; i < n; ++i) mass += p[i];
+  const double u = std::uniform_real_distribution<double>(0.0, mass)(rng_);
+  double cum = 0;
+  for (int i = 0; i < n; ++i) {
+    cum += p[i];
+    if (u < cum) return ids[i];
+  }
+  return ids[n - 1];
+}
+
+}  // namespace nb
