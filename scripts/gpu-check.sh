@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: unpack the carried Debian build deps (.deps/debs, no network
+# there), build for the local GPU's arch, run every GPU test and the benchmarks, print a short table.
+# Usage (device tool, carry [".deps"]): bash scripts/gpu-check.sh [--goldens]
+#   --goldens  also re-make the committed goldens with HF transformers / tiktoken / tokenizers and
+#              leave them in $OUT/goldens.tar.gz
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/nibble-out}
+mkdir -p "$OUT"
+ROOT=$PWD/.deps/root
+if [ -d .deps/debs ]; then
+  mkdir -p "$ROOT"
+  for f in .deps/debs/*.deb; do dpkg -x "$f" "$ROOT"; done
+fi
+export CMAKE_PREFIX_PATH=$ROOT/usr
+export LD_LIBRARY_PATH=$ROOT/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export CPATH=$ROOT/usr/include:${CPATH:-}
+export PKG_CONFIG_PATH=$ROOT/usr/lib/x86_64-linux-gnu/pkgconfig PKG_CONFIG_SYSROOT_DIR=$ROOT
+
+declare -A result
+if [ "${1:-}" = "--goldens" ]; then
+  t0=$(date +%s)
+  mkdir -p /tmp/goldens
+  python3 tools/reference/make_goldens.py --out /tmp/goldens/models --device cuda >"$OUT/goldens.log" 2>&1 &&
+    python3 tools/reference/make_tokenizer_goldens.py --out /tmp/goldens/tokenizer >>"$OUT/goldens.log" 2>&1
+  rc=$?
+  tar -C /tmp/goldens -czf "$OUT/goldens.tar.gz" . && result[goldens]="rc=$rc $(( $(date +%s) - t0 ))s"
+  tail -20 "$OUT/goldens.log"
+fi
+
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+t0=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" >"$OUT/build.log" 2>&1 &&
+  cmake --build build-gpu -j16 >>"$OUT/build.log" 2>&1
+rc=$?
+result[build]="rc=$rc $(( $(date +%s) - t0 ))s sm_${arch}a"
+if [ $rc -ne 0 ]; then tail -40 "$OUT/build.log"; fi
+
+t0=$(date +%s)
+ctest --test-dir build-gpu --output-on-failure -j4 >"$OUT/ctest.log" 2>&1
+result[ctest]="rc=$? $(( $(date +%s) - t0 ))s $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
+grep -E "Failed|\*\*\*|Passed|skipping" "$OUT/ctest.log" | tail -30
+
+echo
+echo "| step | result |"
+echo "|---|---|"
+for k in "${!result[@]}"; do echo "| $k | ${result[$k]} |"; done
