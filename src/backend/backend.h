@@ -1,0 +1,146 @@
+// Backend: the op-level interface every architecture's forward pass is written against, once.
+// cpu/ implements it in plain fp32 as the reference; the CUDA backend implements the same ops.
+// Activations are Tensors (shape, dtype, device); weights are model/Weight and carry their format;
+// a forward step's token metadata (positions, block tables) travels in one BatchInfo.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "base/tensor.h"
+#include "model/weight.h"
+
+namespace nb {
+
+// An owned, row-major activation buffer on one device. Views (view()) share the storage.
+struct Tensor {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  Device device = Device::kCpu;
+  std::shared_ptr<uint8_t[]> storage;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  int64_t dim(int i) const { return shape[i < 0 ? shape.size() + i : i]; }
+  int rank() const { return static_cast<int>(shape.size()); }
+  bool empty() const { return storage == nullptr; }
+  // Same bytes, another shape of the same size.
+  Tensor view(std::vector<int64_t> new_shape) const {
+    Tensor t = *this;
+    t.shape = std::move(new_shape);
+    NB_CHECK(t.numel() == numel(), "view " + shape_string(t.shape) + " of " + shape_string(shape));
+    return t;
+  }
+  template <class T>
+  T* data() const {
+    return reinterpret_cast<T*>(storage.get());
+  }
+};
+
+// Paged KV cache: per layer, K and V in blocks of kKvBlock tokens. A sequence owns a block table;
+// position p lives in block table[p / kKvBlock], slot p % kKvBlock. Sliding-window layers keep every
+// position too (the window only limits what attention reads), which keeps the layout uniform.
+inline constexpr int kKvBlock = 16;
+
+struct KvCache {
+  int n_blocks = 0;
+  std::vector<Tensor> k, v;  // [n_layers] of [n_blocks, kKvBlock, n_kv_heads, head_dim]
+};
+
+// One sequence's part of a batch: its tokens are rows [begin, begin + n_new) of the batch.
+struct SeqInfo {
+  int32_t begin = 0, n_new = 0, n_past = 0;
+  std::vector<int32_t> block_table;
+};
+
+// Everything about a forward step that is not a weight or an activation; validated by Model::forward.
+struct BatchInfo {
+  std::vector<int32_t> tokens;     // [n_tokens]
+  std::vector<int32_t> positions;  // [n_tokens]: n_past + i within each sequence
+  std::vector<int32_t> seq_of;     // [n_tokens]: index into seqs
+  std::vector<SeqInfo> seqs;
+  std::vector<int32_t> logit_rows;  // batch rows whose logits are returned, in batch order
+  int64_t n_tokens() const { return static_cast<int64_t>(tokens.size()); }
+};
+
+// RoPE in the half-split (NeoX / rotate_half) layout: dims [0, d/2) pair with [d/2, d).
+// angle(p, i) = p * inv_freq[i]; cos and sin are both multiplied by attention_scale (YaRN).
+struct RopeTable {
+  std::vector<float> inv_freq;  // [head_dim / 2]
+  float attention_scale = 1.0f;
+};
+
+struct AttentionParams {
+  float scale = 1.0f;             // logit scale, 1/sqrt(head_dim)
+  int window = 0;                 // > 0: query at p sees keys in (p - window, p]; 0: full causal
+  const Tensor* sinks = nullptr;  // [n_heads] extra logit per head whose probability is dropped; or null
+};
+
+// The experts of one MoE layer, one Weight per expert (stacked checkpoint tensors are sliced per
+// expert, per-expert tensors are fused per expert), so both producers load into the same shape.
+enum class GluLayout : uint8_t {
+  kInterleaved,  // fc1 row 2j is gate j, row 2j+1 is up j (gpt-oss, formats.md §2.3)
+  kHalves,       // fc1 rows [0, d) are gate, [d, 2d) are up (gate_proj and up_proj fused)
+};
+enum class Activation : uint8_t {
+  kSilu,           // silu(gate) * up
+  kGptOssClamped,  // g = min(gate, L), u = clamp(up, -L, L), g * sigmoid(1.702 g) * (u + 1) (§2.4)
+};
+struct GluParams {
+  Activation activation = Activation::kSilu;
+  float limit = 0.0f;  // kGptOssClamped: swiglu_limit
+};
+
+struct MoeExperts {
+  int n_experts = 0, d_expert = 0;
+  GluLayout layout = GluLayout::kHalves;
+  std::vector<Weight> fc1;    // [n_experts] of [2 * d_expert, d_model]
+  std::vector<Weight> fc2;    // [n_experts] of [d_model, d_expert]
+  Tensor fc1_bias, fc2_bias;  // [n_experts, 2 * d_expert], [n_experts, d_model]; empty when absent
+};
+
+enum class RouterKind : uint8_t {
+  kTopKThenSoftmax,  // gpt-oss: top-k of the raw logits, softmax over those k
+  kSoftmaxThenTopK,  // qwen3_moe: softmax over all experts, top-k, optional renormalisation
+};
+
+struct Routes {
+  Tensor ids;      // [n_tokens, top_k] I32 expert ids
+  Tensor weights;  // [n_tokens, top_k] F32 routing weights
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Memory. upload() converts a host float tensor (F32, BF16 or F16: norms, biases, sinks) to F32.
+  virtual Tensor alloc(DType dtype, std::vector<int64_t> shape) = 0;
+  virtual Tensor upload(const TensorView& host) = 0;
+  virtual std::vector<float> to_host(const Tensor& t) = 0;
+  virtual std::unique_ptr<KvCache> new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) = 0;
+
+  // Ops. Each returns a new tensor unless it says "in place".
+  virtual Tensor embedding(const Weight& table, const BatchInfo& b) = 0;            // [n_tokens, d_model]
+  virtual Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) = 0;         // over the last dim
+  virtual Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) = 0;  // [.., k] -> [.., n]
+  virtual void rope(Tensor& x, const BatchInfo& b,
+                    const RopeTable& rope) = 0;  // in place, [n_tokens, heads, head_dim]
+  virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) = 0;
+  virtual Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
+                           const AttentionParams& p) = 0;  // q [n_tokens, n_heads, head_dim] -> same shape
+  virtual Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) = 0;
+  virtual Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
+                             const GluParams& glu) = 0;  // [n_tokens, d_model]: sum_k w_k (fc2(glu(fc1 x)))
+  virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up
+  virtual void add(Tensor& x, const Tensor& y) = 0;                                   // in place: x += y
+  virtual Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) = 0;  // [rows, ..]
+};
+
+}  // namespace nb

@@ -1,0 +1,136 @@
+// Model::load (config, checkpoint, backend, architecture), batch validation and describe().
+#include "model/model.h"
+
+#include <cstdio>
+
+#include "backend/cpu/cpu_backend.h"
+
+namespace nb {
+namespace {
+
+// What every architecture needs from the config; a zero here would divide or index out of range.
+Status check_dims(const ModelConfig& c) {
+  auto need = [](bool ok, const std::string& what) { return ok ? Status() : error("config.json: " + what); };
+  NB_RETURN_IF_ERROR(need(c.vocab_size > 0 && c.d_model > 0 && c.n_layers > 0,
+                          "vocab_size, hidden_size and "
+                          "num_hidden_layers must be > 0"));
+  NB_RETURN_IF_ERROR(need(c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0,
+                          "num_attention_heads must be a positive multiple of num_key_value_heads"));
+  NB_RETURN_IF_ERROR(need(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be even and > 0"));
+  if (c.n_experts > 0)
+    NB_RETURN_IF_ERROR(
+        need(c.top_k > 0 && c.top_k <= c.n_experts && c.d_expert > 0,
+             "MoE needs 0 < num_experts_per_tok <= num_experts and an expert intermediate size"));
+  NB_RETURN_IF_ERROR(need(c.layer_sliding.empty() || static_cast<int>(c.layer_sliding.size()) == c.n_layers,
+                          "layer_types must have num_hidden_layers entries"));
+  return Status();
+}
+
+}  // namespace
+
+Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend> backend)
+    : config_(std::move(config)), checkpoint_(std::move(checkpoint)), backend_(std::move(backend)) {}
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
+  NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
+  if (options.device != Device::kCpu) return error("only the CPU backend is available in this build");
+  NB_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
+  auto backend = std::make_unique<CpuBackend>(options.n_threads);
+  std::unique_ptr<Model> model;
+  switch (config.arch) {
+    case Arch::kGptOss:
+      if (config.quant.method != QuantMethod::kMxfp4 && config.quant.method != QuantMethod::kNone)
+        return error(dir + ": gpt_oss with " + quant_method_name(config.quant.method) +
+                     " is not supported (gpt-oss experts are MXFP4)");
+      model = new_gpt_oss(std::move(config), std::move(ckpt), std::move(backend));
+      break;
+    case Arch::kQwen3:
+    case Arch::kQwen3Moe:
+    case Arch::kLlama:
+      if (config.quant.method == QuantMethod::kMxfp4)
+        return error(dir + ": " + arch_name(config.arch) + " with mxfp4 is not supported");
+      model = config.arch == Arch::kLlama ? new_llama(std::move(config), std::move(ckpt), std::move(backend))
+                                          : new_qwen3(std::move(config), std::move(ckpt), std::move(backend));
+      break;
+  }
+  NB_CHECK(model != nullptr, "unhandled architecture");
+  WeightLoader loader(model->checkpoint_, model->config_, *model->backend_, model->catalog_);
+  NB_RETURN_IF_ERROR(model->load_weights(loader).with_context(dir));
+  return model;
+}
+
+std::unique_ptr<KvCache> Model::new_kv_cache(int n_blocks) const {
+  return backend_->new_kv_cache(config_.n_layers, n_blocks, config_.n_kv_heads, config_.head_dim);
+}
+
+Result<BatchInfo> Model::make_batch_info(const Batch& batch, const KvCache& cache) const {
+  BatchInfo b;
+  b.tokens = batch.tokens;
+  if (batch.seqs.empty()) return error("batch: no sequences");
+  int64_t total = 0;
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const SeqSlice& q = batch.seqs[s];
+    const std::string where = "batch: sequence " + std::to_string(s) + ": ";
+    if (q.n_new < 1 || q.n_past < 0) return error(where + "needs n_new >= 1 and n_past >= 0");
+    const int64_t end = int64_t{q.n_past} + q.n_new;
+    if (static_cast<int64_t>(q.block_table.size()) * kKvBlock < end)
+      return error(where + "block table of " + std::to_string(q.block_table.size()) + " blocks cannot hold " +
+                   std::to_string(end) + " positions");
+    for (int32_t block : q.block_table)
+      if (block < 0 || block >= cache.n_blocks)
+        return error(where + "block id " + std::to_string(block) + " outside the cache's " +
+                     std::to_string(cache.n_blocks) + " blocks");
+    SeqInfo info{static_cast<int32_t>(total), q.n_new, q.n_past, q.block_table};
+    for (int32_t i = 0; i < q.n_new; ++i) {
+      b.positions.push_back(q.n_past + i);
+      b.seq_of.push_back(static_cast<int32_t>(s));
+      if (q.all_logits || i == q.n_new - 1) b.logit_rows.push_back(static_cast<int32_t>(total + i));
+    }
+    b.seqs.push_back(std::move(info));
+    total += q.n_new;
+  }
+  if (total != b.n_tokens())
+    return error("batch: sequences hold " + std::to_string(total) + " tokens but the batch has " +
+                 std::to_string(b.n_tokens()));
+  for (int64_t t = 0; t < b.n_tokens(); ++t)
+    if (b.tokens[t] < 0 || b.tokens[t] >= config_.vocab_size)
+      return error("batch: token id " + std::to_string(b.tokens[t]) + " outside the vocabulary of " +
+                   std::to_string(config_.vocab_size));
+  return b;
+}
+
+Result<std::vector<float>> Model::forward(const Batch& batch, KvCache& cache) {
+  if (cache.k.size() != static_cast<size_t>(config_.n_layers))
+    return error("KV cache made for another model");
+  NB_ASSIGN_OR_RETURN(BatchInfo info, make_batch_info(batch, cache));
+  Tensor logits = run(info, cache);
+  return backend_->to_host(logits);
+}
+
+std::string Model::describe() const {
+  const ModelConfig& c = config_;
+  char line[512];
+  std::string out;
+  std::snprintf(line, sizeof(line), "architecture: %s   quantization: %s   backend: %s\n", arch_name(c.arch),
+                quant_method_name(c.quant.method), backend_->name().c_str());
+  out += line;
+  std::snprintf(
+      line, sizeof(line),
+      "dims: vocab %d, d_model %d, layers %d, heads %d, kv heads %d, head_dim %d, d_ff %d, rms eps %g\n",
+      c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.rms_norm_eps);
+  out += line;
+  if (c.n_experts > 0) {
+    std::snprintf(line, sizeof(line), "moe: %d experts, top %d, d_expert %d, norm_topk_prob %s\n",
+                  c.n_experts, c.top_k, c.d_expert, c.norm_topk_prob ? "true" : "false");
+    out += line;
+  }
+  static const char* kRope[] = {"default", "yarn", "llama3"};
+  std::snprintf(line, sizeof(line), "rope: %s, theta %g, factor %g; sliding window %d; tied embeddings %s\n",
+                kRope[static_cast<int>(c.rope.type)], c.rope.theta, c.rope.factor, c.sliding_window,
+                c.tie_word_embeddings ? "yes" : "no");
+  out += line;
+  return out + catalog_table(catalog_);
+}
+
+}  // namespace nb

@@ -1,0 +1,86 @@
+// Model: the public face of an architecture for the CLI and the server. load() reads config.json and
+// the safetensors, validates every tensor, and picks the forward pass by model_type; forward() runs
+// one batch of tokens from one or more sequences over a paged KV cache and returns logits.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "base/status.h"
+#include "io/config.h"
+#include "io/safetensors.h"
+#include "model/loader.h"
+
+namespace nb {
+
+struct ModelOptions {
+  Device device = Device::kCpu;
+  int n_threads = 0;  // CPU backend: 0 = all cores
+};
+
+struct KvCacheOptions {
+  int n_blocks = 0;  // 0: enough for max_tokens
+  int max_tokens = 4096;
+  int blocks() const { return n_blocks > 0 ? n_blocks : (max_tokens + kKvBlock - 1) / kKvBlock; }
+};
+
+// One sequence's tokens in a batch. Its tokens sit at positions n_past .. n_past + n_new - 1 and are
+// written to the cache blocks named by block_table (block i holds positions 16 i .. 16 i + 15).
+struct SeqSlice {
+  std::vector<int32_t> block_table;
+  int32_t n_past = 0;  // tokens already cached
+  int32_t n_new = 0;
+  bool all_logits = false;  // true: logits for every new token (scoring, eval); false: only the last
+};
+
+// Tokens of one or more sequences, grouped per sequence, contiguous, in seqs order.
+struct Batch {
+  std::vector<int32_t> tokens;  // [sum n_new]
+  std::vector<SeqSlice> seqs;
+};
+
+class Model {
+ public:
+  static Result<std::unique_ptr<Model>> load(const std::string& dir, const ModelOptions& options);
+
+  // For the architecture subclasses; callers use load().
+  Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend> backend);
+  virtual ~Model() = default;
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  // For `nibble inspect`: architecture, dimensions, and per tensor class its format, shape, parameters
+  // and bytes, with totals.
+  std::string describe() const;
+  std::unique_ptr<KvCache> new_kv_cache(int n_blocks) const;
+  // Runs the batch, writing the new tokens' K/V into the cache; returns logits [n_rows, vocab] (fp32,
+  // host), rows in batch order: every new token of a seq with all_logits, else its last token.
+  // A malformed batch (token ids, block tables, counts) is an error, never a crash.
+  Result<std::vector<float>> forward(const Batch& batch, KvCache& cache);
+
+ protected:
+  // The architecture's forward pass: logits [b.logit_rows.size(), vocab] on the backend.
+  virtual Tensor run(const BatchInfo& b, KvCache& cache) = 0;
+  // Loads and validates every weight; called once by load().
+  virtual Status load_weights(WeightLoader& w) = 0;
+
+  ModelConfig config_;
+  Checkpoint checkpoint_;  // owns the mmapped data the weights point into
+  std::unique_ptr<Backend> backend_;
+  WeightCatalog catalog_;
+
+ private:
+  Result<BatchInfo> make_batch_info(const Batch& batch, const KvCache& cache) const;
+};
+
+// The architectures (one file each); called by Model::load.
+std::unique_ptr<Model> new_gpt_oss(ModelConfig config, Checkpoint checkpoint,
+                                   std::unique_ptr<Backend> backend);
+std::unique_ptr<Model> new_qwen3(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend> backend);
+std::unique_ptr<Model> new_llama(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend> backend);
+
+}  // namespace nb
