@@ -116,7 +116,8 @@ Result<Weight> WeightLoader::linear(const std::string& prefix, int64_t n, int64_
     NB_ASSIGN_OR_RETURN(part.data, get_float(prefix + ".weight", {n, k}));
     format = "dense " + std::string(dtype_name(part.data.dtype));
   }
-  record(prefix, format, {n, k}, n * k, part.data.nbytes() + part.scales.nbytes());
+  record(prefix, format, {n, k}, n * k,
+         view_bytes(part.data) + view_bytes(part.scales) + (w.format == WeightFormat::kNVFP4 ? 4 : 0));
   w.parts.push_back(std::move(part));
   return w;
 }

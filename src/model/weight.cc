@@ -24,7 +24,7 @@ const char* weight_format_name(WeightFormat f) {
 int64_t Weight::bytes() const {
   int64_t b = 0;
   for (const WeightPart& p : parts)
-    b += p.data.nbytes() + p.scales.nbytes() + (format == WeightFormat::kNVFP4 ? 4 : 0);
+    b += view_bytes(p.data) + view_bytes(p.scales) + (format == WeightFormat::kNVFP4 ? 4 : 0);
   return b;
 }
 

@@ -45,6 +45,9 @@ struct Weight {
   std::string shape_string() const { return nb::shape_string({n, k}); }
 };
 
+// Bytes a view covers; 0 for an unset one (a dense weight has no scales).
+inline int64_t view_bytes(const TensorView& v) { return v.data ? v.nbytes() : 0; }
+
 // Decodes output row `row` of w into out[0..k) as fp32, exactly (the scalar reference of every format).
 void dequantize_row(const Weight& w, int64_t row, float* out);
 
