@@ -30,35 +30,44 @@ struct RopeConfig {
 };
 
 enum class QuantMethod {
-  kNone,                 // plain BF16 (or F16/F32) checkpoint
-  kMxfp4,                // gpt-oss: experts as _blocks/_scales
-  kModeloptNvfp4,        // ModelOpt: weight + weight_scale + weight_scale_2 (multiply)
-  kCompressedTensorsNvfp4,  // compressed-tensors nvfp4-pack-quantized: weight_packed + weight_global_scale (divide)
+  kNone,                    // plain BF16 (or F16/F32) checkpoint
+  kMxfp4,                   // gpt-oss: experts as _blocks/_scales
+  kModeloptNvfp4,           // ModelOpt: weight + weight_scale + weight_scale_2 (multiply)
+  kCompressedTensorsNvfp4,  // compressed-tensors nvfp4-pack-quantized: weight_packed + weight_global_scale
+                            // (divide)
 };
 const char* quant_method_name(QuantMethod q);
 
 struct QuantConfig {
   QuantMethod method = QuantMethod::kNone;
-  int group_size = 0;                     // 32 for MXFP4, 16 for NVFP4
-  std::vector<std::string> exclude;       // modules left unquantized: fnmatch globs, or "re:" regexes (CT)
-  bool activations_quantized = false;     // NVFP4 W4A4 (input scales present); nibble runs weight-only
-  std::string source;                     // "config.json" or "hf_quant_config.json"
+  int group_size = 0;                  // 32 for MXFP4, 16 for NVFP4
+  std::vector<std::string> exclude;    // modules left unquantized: fnmatch globs, or "re:" regexes (CT)
+  bool activations_quantized = false;  // NVFP4 W4A4 (input scales present); nibble runs weight-only
+  std::string source;                  // "config.json" or "hf_quant_config.json"
+  std::string kv_cache_quant;          // "FP8" when k_scale/v_scale are on disk; empty otherwise
 };
+
+// Whether the quant config leaves `module_name` (e.g. "model.layers.3.self_attn.q_proj") unquantized.
+// A pattern excludes a module when it matches the module's name, an ancestor's name ("model.layers.*.
+// self_attn" covers its q_proj), or the name followed by '.' (ModelOpt's "*mlp.gate.*", written for
+// parameter names). Patterns are fnmatch globs (*, ?, [seq], [!seq]); "re:" makes the rest a regex
+// that must match the whole name (std::regex, ECMAScript).
+bool is_module_excluded(const QuantConfig& quant, const std::string& module_name);
 
 struct ModelConfig {
   Arch arch = Arch::kLlama;
   std::string model_type;
   int vocab_size = 0;
-  int d_model = 0;        // hidden_size
-  int n_layers = 0;       // num_hidden_layers
-  int n_heads = 0;        // num_attention_heads
-  int n_kv_heads = 0;     // num_key_value_heads
-  int head_dim = 0;       // head_dim, or hidden_size / num_attention_heads
-  int d_ff = 0;           // intermediate_size (dense MLP; per expert for gpt-oss)
+  int d_model = 0;     // hidden_size
+  int n_layers = 0;    // num_hidden_layers
+  int n_heads = 0;     // num_attention_heads
+  int n_kv_heads = 0;  // num_key_value_heads
+  int head_dim = 0;    // head_dim, or hidden_size / num_attention_heads
+  int d_ff = 0;        // intermediate_size (dense MLP; per expert for gpt-oss)
   // MoE (gpt-oss, qwen3_moe); n_experts == 0 for dense models.
-  int n_experts = 0;      // num_local_experts / num_experts
-  int top_k = 0;          // num_experts_per_tok / experts_per_token
-  int d_expert = 0;       // moe_intermediate_size (qwen3_moe), intermediate_size (gpt-oss)
+  int n_experts = 0;  // num_local_experts / num_experts
+  int top_k = 0;      // num_experts_per_tok / experts_per_token
+  int d_expert = 0;   // moe_intermediate_size (qwen3_moe), intermediate_size (gpt-oss)
   bool norm_topk_prob = false;
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;
@@ -67,9 +76,9 @@ struct ModelConfig {
   int max_position_embeddings = 0;
   bool attention_bias = false;
   bool tie_word_embeddings = false;
-  int sliding_window = 0;                 // 0: none
-  std::vector<bool> layer_sliding;        // per layer: uses the sliding window
-  float swiglu_limit = 0.0f;              // gpt-oss clamp (7.0); 0: none
+  int sliding_window = 0;           // 0: none
+  std::vector<bool> layer_sliding;  // per layer: uses the sliding window
+  float swiglu_limit = 0.0f;        // gpt-oss clamp (7.0); 0: none
   int bos_token_id = -1;
   std::vector<int> eos_token_ids;
   QuantConfig quant;
