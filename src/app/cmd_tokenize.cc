@@ -1,0 +1,109 @@
+// `nibble tokenize`: text -> ids or ids -> text with a model's tokenizer, one shot or line by line
+// (--jsonl) so the differential tests can push thousands of strings through one process.
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "app/commands.h"
+#include "text/tokenizer.h"
+
+namespace nb {
+namespace {
+
+using json = nlohmann::json;
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "nibble tokenize: %s\n", message.c_str());
+  return 1;
+}
+
+std::string ids_to_text(const std::vector<int32_t>& ids) {
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) out += ' ';
+    out += std::to_string(ids[i]);
+  }
+  return out;
+}
+
+// Keeps invalid UTF-8 (a token boundary inside a character) representable in JSON output.
+std::string to_json_string(const std::string& s) {
+  return json(s).dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// Parses whitespace-separated decimal ids; the error names the bad word.
+Result<std::vector<int32_t>> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t pos = 0;
+  while (true) {
+    pos = text.find_first_not_of(" \t\r\n,", pos);
+    if (pos == std::string::npos) break;
+    size_t end = text.find_first_of(" \t\r\n,", pos);
+    std::string word = text.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
+    pos = end;
+    char* stop = nullptr;
+    long long v = std::strtoll(word.c_str(), &stop, 10);
+    if (word.empty() || *stop != '\0' || v < INT32_MIN || v > INT32_MAX) {
+      return error("'" + word + "' is not a token id");
+    }
+    ids.push_back(static_cast<int32_t>(v));
+    if (end == std::string::npos) break;
+  }
+  return ids;
+}
+
+int run_jsonl(const Tokenizer& tok, const TokenizeArgs& args) {
+  std::string line;
+  for (size_t line_no = 1; std::getline(std::cin, line); ++line_no) {
+    std::string where = "stdin line " + std::to_string(line_no) + ": ";
+    json in = json::parse(line, nullptr, false);
+    if (in.is_discarded()) return fail(where + "invalid JSON");
+    if (args.decode) {
+      if (!in.is_array()) return fail(where + "expected a JSON array of token ids");
+      std::vector<int32_t> ids;
+      for (const json& v : in) {
+        if (!v.is_number_integer()) return fail(where + "expected integer token ids, got " + v.dump());
+        int64_t id = v.get<int64_t>();
+        if (id < INT32_MIN || id > INT32_MAX)
+          return fail(where + "token id " + v.dump() + " is out of range");
+        ids.push_back(static_cast<int32_t>(id));
+      }
+      auto text = tok.decode_checked(ids);
+      if (!text.ok()) return fail(where + text.status().message());
+      std::printf("%s\n", to_json_string(*text).c_str());
+    } else {
+      if (!in.is_string()) return fail(where + "expected a JSON string");
+      std::printf("%s\n", json(tok.encode(in.get_ref<const std::string&>(), args.special)).dump().c_str());
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int cmd_tokenize(const TokenizeArgs& args) {
+  if (args.model.empty())
+    return fail("-m PATH is required (tokenizer.json, *.tiktoken or a model directory)");
+  auto tok = Tokenizer::load(args.model);
+  if (!tok.ok()) return fail(tok.status().message());
+  if (args.jsonl) return run_jsonl(**tok, args);
+  std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  if (args.decode) {
+    auto ids = parse_ids(input);
+    if (!ids.ok()) return fail(ids.status().message());
+    auto text = (*tok)->decode_checked(*ids);
+    if (!text.ok()) return fail(text.status().message());
+    std::fwrite(text->data(), 1, text->size(), stdout);
+    return 0;
+  }
+  std::printf("%s\n", ids_to_text((*tok)->encode(input, args.special)).c_str());
+  return 0;
+}
+
+}  // namespace nb
