@@ -131,9 +131,11 @@ Status parse_entry(const json& entry, TensorInfo* t) {
   auto shape_it = entry.find("shape");
   if (shape_it == entry.end()) return error("'shape' is missing");
   if (!shape_it->is_array()) return error("'shape' must be an array, found " + json_kind(*shape_it));
-  // numel and bit count with checked multiplication: a hostile header can name dims near 2^63.
-  uint64_t numel = 1;
-  bool overflow = false;
+  // numel and bit count with checked multiplication: a hostile header can name dims near 2^63. The
+  // product of the non-zero dims must fit in int64 even for an empty tensor, because TensorView::numel()
+  // multiplies the dims in order in int64 ([2^62, 4, 0] would overflow before reaching the 0).
+  uint64_t nonzero_product = 1;
+  bool overflow = false, empty = false;
   for (size_t i = 0; i < shape_it->size(); ++i) {
     uint64_t d = 0;
     if (!get_count((*shape_it)[i], &d)) {
@@ -142,18 +144,18 @@ Status parse_entry(const json& entry, TensorInfo* t) {
                                                         : json_kind((*shape_it)[i])));
     }
     t->shape.push_back(static_cast<int64_t>(d));
-    if (__builtin_mul_overflow(numel, d, &numel)) overflow = true;
+    if (d == 0) {
+      empty = true;
+    } else if (__builtin_mul_overflow(nonzero_product, d, &nonzero_product) ||
+               nonzero_product > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      overflow = true;
+    }
   }
+  const uint64_t numel = empty ? 0 : nonzero_product;
   const int bits = dtype_bits(t->dtype);
   uint64_t total_bits = 0;
-  // A zero dim anywhere makes the tensor empty even if an earlier product overflowed.
-  bool empty = std::find(t->shape.begin(), t->shape.end(), 0) != t->shape.end();
-  if (empty) {
-    numel = 0;
-    overflow = false;
-  }
   if (overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(bits), &total_bits) ||
-      total_bits / 8 > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      total_bits > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
     return error(std::string(dtype_name(t->dtype)) + " " + shape_string(t->shape) +
                  " has more elements than a file can hold");
   }
