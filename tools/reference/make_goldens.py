@@ -743,7 +743,7 @@ def tokenizer_config(family, ids):
     if family == "qwen3":
         return {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                 "clean_up_tokenization_spaces": False, "model_max_length": 131072, "split_special_tokens": False,
-                "tokenizer_class": "Qwen2Tokenizer"}
+                "tokenizer_class": "PreTrainedTokenizerFast"}
     return {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True,
             "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}
 
@@ -1050,7 +1050,14 @@ def main():
             extra["mxfp4_cross_check"] = {"ok": xc["ok"], "note": xc["note"]}
             if xc.get("model") is not None:
                 try:
-                    lg2 = logits_of(xc["model"].eval(), tokens, "cpu")
+                    # transformers dequantizes MXFP4 to BF16 parameters and may pick a BF16 grouped_mm
+                    # experts kernel: make that model float32 + eager like ours before comparing logits.
+                    xm = xc["model"].to(torch.float32).eval()
+                    try:
+                        xm.set_experts_implementation("eager")
+                    except Exception:  # noqa: BLE001
+                        pass
+                    lg2 = logits_of(xm, tokens, "cpu")
                     d = float((lg2 - logits.cpu()).abs().max())
                     extra["mxfp4_cross_check"]["note"] += "; full logits via that model vs ours: max abs diff %.3g" % d
                     print("  MXFP4 path logits vs reference: max abs diff %.3g" % d)
