@@ -350,7 +350,7 @@ def spec_gpt_oss(seed, ntok, ids):
         w[p + "mlp.experts.down_proj"] = r(p + "down", [E, H, I], 0.15 / math.sqrt(I))
         w[p + "mlp.experts.down_proj_bias"] = r(p + "downb", [E, H], 0.1)
     w["model.norm.weight"] = r("norm", [H], 0.1, 1.0)
-    # lm_head std 0.4: logits std ~4, top-2 margins mostly well above 0.05 (median ~1).
+    # lm_head std LM_STD (0.5): logits std ~4, top-2 margins mostly well above 0.05 (median ~1).
     w["lm_head.weight"] = embed_like(seed, m, "lm_head", V, ntok, H, LM_STD)
     return cfg, gen, w
 
