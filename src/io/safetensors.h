@@ -52,7 +52,11 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// A checkpoint directory: model.safetensors, or model.safetensors.index.json and its shards.
+// A checkpoint directory: model.safetensors, or model.safetensors.index.json and its shards, or (no
+// index) every *.safetensors in it. The index's weight_map is authoritative: a mapped tensor missing
+// from its shard, a shard tensor missing from the map, or a name in two files is an error.
+// View data is as aligned as the file makes it: writers pad the header to 8 bytes, but the format does
+// not require it, so a typed read of an odd file must not assume alignment beyond 1.
 class Checkpoint {
  public:
   static Result<Checkpoint> open(const std::string& dir);

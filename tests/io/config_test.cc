@@ -590,5 +590,28 @@ TEST(ConfigTest, NamesAndLoadFromDirectory) {
   fs::remove_all(dir);
 }
 
+// The tiny checkpoints written by tools/reference with HF transformers: their config.json files (and
+// ModelOpt's hf_quant_config.json) must load with the flavour their directory name says.
+TEST(ConfigTest, CommittedTinyCheckpoints) {
+  namespace fs = std::filesystem;
+  const fs::path models = fs::path(NIBBLE_SOURCE_DIR) / "tests" / "data" / "models";
+  int loaded = 0;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(models, ec)) {
+    if (!fs::exists(de.path() / "config.json")) continue;
+    auto c = load_model_config(de.path().string());
+    ASSERT_TRUE(c.ok()) << c.status().message();
+    const std::string name = de.path().filename().string();
+    QuantMethod want = QuantMethod::kNone;
+    if (name.find("mxfp4") != std::string::npos) want = QuantMethod::kMxfp4;
+    if (name.find("modelopt") != std::string::npos) want = QuantMethod::kModeloptNvfp4;
+    if (name.find("_ct") != std::string::npos) want = QuantMethod::kCompressedTensorsNvfp4;
+    EXPECT_EQ(c.value().quant.method, want) << name;
+    EXPECT_EQ(name.rfind(arch_name(c.value().arch), 0), 0u) << name;
+    ++loaded;
+  }
+  if (loaded == 0) GTEST_SKIP() << "no checkpoints under " << models;
+}
+
 }  // namespace
 }  // namespace nb
