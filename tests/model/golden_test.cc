@@ -37,7 +37,8 @@ class Golden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     const std::string dir = model_dir(GetParam());
-    if (!std::filesystem::exists(dir + "/reference.json")) GTEST_SKIP() << "no golden at " << dir;
+    ASSERT_TRUE(std::filesystem::exists(dir + "/reference.json"))
+        << "no golden at " << dir << " (tools/reference/make_goldens.py writes it)";
     std::ifstream f(dir + "/reference.json");
     ref_ = nlohmann::json::parse(f);
     auto m = Model::load(dir, ModelOptions{Device::kCpu, 2});
