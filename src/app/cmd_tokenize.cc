@@ -31,9 +31,10 @@ std::string ids_to_text(const std::vector<int32_t>& ids) {
   return out;
 }
 
-// Keeps invalid UTF-8 (a token boundary inside a character) representable in JSON output.
+// ASCII-only JSON, so no U+2028 or U+0085 in the text can split the line for a reader; invalid UTF-8
+// (an id sequence that ends inside a character) becomes U+FFFD.
 std::string to_json_string(const std::string& s) {
-  return json(s).dump(-1, ' ', false, json::error_handler_t::replace);
+  return json(s).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace);
 }
 
 // Parses whitespace-separated decimal ids; the error names the bad word.
