@@ -175,7 +175,7 @@ void Engine::emit_token(Active& a, std::span<const float> row) {
 
   const bool is_stop =
       std::find(req.stop_token_ids.begin(), req.stop_token_ids.end(), id) != req.stop_token_ids.end();
-  if (is_stop && a.forced_pos >= req.forced_output.size()) {
+  if (is_stop) {
     finish(a, FinishReason::kStop, id);
     return;
   }
