@@ -83,11 +83,10 @@ struct Job {
 namespace {
 
 // Feeds engine tokens into the choices until all are finished. on_delta(i, delta, final) sends a
-// delta (final: choice i just finished); on_idle() is called after a quiet second (keepalive).
-// Both return false when the client is gone; pump then returns false.
+// delta (final: choice i just finished); on_tick() runs every pass (at most ~20 ms apart) so the
+// caller can write keepalives. Both return false when the client is gone; pump then returns false.
 bool pump(Job& job, const std::function<bool(size_t, const ChoiceDelta&, bool)>& on_delta,
-          const std::function<bool()>& on_idle) {
-  auto last_write = Clock::now();
+          const std::function<bool()>& on_tick) {
   for (;;) {
     size_t first = job.choices.size();
     for (size_t i = 0; i < job.choices.size(); ++i)
@@ -96,41 +95,46 @@ bool pump(Job& job, const std::function<bool(size_t, const ChoiceDelta&, bool)>&
         break;
       }
     if (first == job.choices.size()) return true;
-    bool wrote = false;
     for (size_t i = first; i < job.choices.size(); ++i) {
       Choice& c = *job.choices[i];
       if (c.finished()) continue;
       StreamUpdate u = job.streams[i]->wait(i == first ? 20ms : 0ms);
       for (const GeneratedToken& t : u.tokens) {
         ChoiceDelta d = c.add(t);
-        if (!d.empty()) {
-          wrote = true;
-          if (!on_delta(i, d, false)) return false;
-        }
+        if (!d.empty() && !on_delta(i, d, false)) return false;
         if (c.stopped()) {  // a stop string: end the choice here and free its engine sequence
           job.engine->cancel(*job.streams[i]);
           StreamUpdate end;
           end.finish = FinishReason::kStop;
           if (!on_delta(i, c.finish(end), true)) return false;
-          wrote = true;
           break;
         }
       }
       if (u.done() && !c.finished()) {
         job.n_cached = std::max(job.n_cached, u.n_cached);
         if (!on_delta(i, c.finish(u), true)) return false;
-        wrote = true;
       }
     }
-    const auto now = Clock::now();
-    if (wrote)
-      last_write = now;
-    else if (now - last_write > 1s) {
-      if (!on_idle()) return false;
-      last_write = now;
-    }
+    if (!on_tick()) return false;
   }
 }
+
+// Calls fn when `period` has passed since the last call (or since construction).
+class Every {
+ public:
+  explicit Every(Clock::duration period) : period_(period), last_(Clock::now()) {}
+  bool due() {
+    const auto now = Clock::now();
+    if (now - last_ < period_) return false;
+    last_ = now;
+    return true;
+  }
+  void reset() { last_ = Clock::now(); }
+
+ private:
+  Clock::duration period_;
+  Clock::time_point last_;
+};
 
 json delta_json(const ChoiceDelta& d) {
   json delta = json::object();
@@ -147,6 +151,8 @@ Server::Server(Engine& engine, const ServeContext& context, const ServerOptions&
   const int n_threads = options_.http_threads;
   http_->new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
   http_->set_payload_max_length(options_.max_request_bytes);
+  // Idle keep-alive connections hold a worker thread; a short timeout lets shutdown finish quickly.
+  http_->set_keep_alive_timeout(2);
   install_routes();
 }
 
@@ -314,8 +320,10 @@ void Server::stream_response(const std::shared_ptr<Job>& job, httplib::Response&
       "text/event-stream",
       [job, tok](size_t, httplib::DataSink& sink) {
         const bool chat = job->req.endpoint == Endpoint::kChat;
+        Every keepalive(1s);
         auto send = [&](const json& j) {
           const std::string s = "data: " + dump(j) + "\n\n";
+          keepalive.reset();
           return sink.write(s.data(), s.size());
         };
         auto chunk = [&](json choice) {
@@ -376,7 +384,7 @@ void Server::stream_response(const std::shared_ptr<Job>& job, httplib::Response&
         }
         const bool ok = pump(*job, on_delta, [&] {
           static const char kPing[] = ": ping\n\n";  // an SSE comment: clients skip it
-          return sink.write(kPing, sizeof(kPing) - 1);
+          return !keepalive.due() || sink.write(kPing, sizeof(kPing) - 1);
         });
         if (!ok) {
           job->cancel_all();
@@ -409,8 +417,10 @@ void Server::full_response(const std::shared_ptr<Job>& job, httplib::Response& r
   res.set_chunked_content_provider(
       "application/json; charset=utf-8",
       [job, tok](size_t, httplib::DataSink& sink) {
+        Every probe(1s);
         const bool ok = pump(
-            *job, [](size_t, const ChoiceDelta&, bool) { return true; }, [&] { return sink.write(" ", 1); });
+            *job, [](size_t, const ChoiceDelta&, bool) { return true; },
+            [&] { return !probe.due() || sink.write(" ", 1); });
         if (!ok) {
           job->cancel_all();
           return false;
