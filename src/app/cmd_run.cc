@@ -1,0 +1,133 @@
+// nibble run: one prompt, one continuation. Prefill the prompt in one forward pass, then decode one
+// token per pass over the paged KV cache, sampling on the host; text is printed as it is generated,
+// never splitting a UTF-8 character.
+#include <cstdio>
+#include <sstream>
+#include <unordered_set>
+
+#include "app/model_commands.h"
+#include "app/model_session.h"
+#include "base/log.h"
+#include "server/text_stream.h"
+#include "text/chat.h"
+
+namespace nb {
+namespace {
+
+Result<std::vector<int32_t>> parse_ids(const std::string& text, const char* what) {
+  std::vector<int32_t> ids;
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    char* end = nullptr;
+    const long v = std::strtol(word.c_str(), &end, 10);
+    if (*end != '\0' || v < 0 || v > INT32_MAX) return error(std::string(what) + ": '" + word + "' is not a token id");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  return ids;
+}
+
+Result<std::vector<int32_t>> prompt_ids(const RunArgs& args, const ModelSession& s) {
+  if (!args.prompt_tokens.empty()) return parse_ids(args.prompt_tokens, "--prompt-tokens");
+  const ModelConfig& cfg = s.model->config();
+  if (!args.chat.empty()) {
+    ChatOptions options;
+    options.reasoning_effort = args.reasoning_effort;
+    std::vector<ChatMessage> messages(1);
+    messages[0].role = "user";
+    messages[0].content = args.chat;
+    NB_ASSIGN_OR_RETURN(std::string prompt, render_chat(chat_format_for(cfg.model_type), messages, options));
+    return s.tokenizer->encode(prompt, /*allow_special=*/true);
+  }
+  std::vector<int32_t> ids;
+  // Raw completion: Llama tokenizers add <|begin_of_text|>; gpt-oss and Qwen3 add nothing.
+  if (cfg.arch == Arch::kLlama && cfg.bos_token_id >= 0) ids.push_back(cfg.bos_token_id);
+  const auto text = s.tokenizer->encode(args.prompt, /*allow_special=*/false);
+  ids.insert(ids.end(), text.begin(), text.end());
+  return ids;
+}
+
+}  // namespace
+
+int cmd_run(const RunArgs& args) {
+  if (Status st = args.sampling.validate(); !st.ok()) {
+    std::fprintf(stderr, "nibble: error: %s\n", st.message().c_str());
+    return 2;
+  }
+  const bool need_tokenizer = args.prompt_tokens.empty() || !args.print_tokens;
+  auto session = open_model_session(args.model, args.device, args.threads, need_tokenizer);
+  if (!session.ok()) {
+    std::fprintf(stderr, "nibble: error: %s\n", session.status().message().c_str());
+    return 1;
+  }
+  ModelSession& s = session.value();
+  const ModelConfig& cfg = s.model->config();
+
+  auto ids = prompt_ids(args, s);
+  if (!ids.ok()) {
+    std::fprintf(stderr, "nibble: error: %s\n", ids.status().message().c_str());
+    return 2;
+  }
+  std::vector<int32_t> prompt = std::move(ids.value());
+  if (prompt.empty()) {
+    std::fprintf(stderr, "nibble: error: the prompt is empty after tokenization\n");
+    return 2;
+  }
+  for (int32_t id : prompt) {
+    if (id >= cfg.vocab_size) {
+      std::fprintf(stderr, "nibble: error: prompt token %d is outside the vocabulary (size %d)\n", id, cfg.vocab_size);
+      return 2;
+    }
+  }
+  const int64_t total = static_cast<int64_t>(prompt.size()) + args.n_predict;
+  if (cfg.max_position_embeddings > 0 && total > cfg.max_position_embeddings) {
+    std::fprintf(stderr, "nibble: error: prompt (%zu tokens) + -n %d exceeds the model's context of %d tokens\n",
+                 prompt.size(), args.n_predict, cfg.max_position_embeddings);
+    return 2;
+  }
+
+  // Stop at the model's end-of-sequence ids, and at the chat format's stop tokens in chat mode.
+  std::unordered_set<int32_t> stop(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end());
+  if (!args.chat.empty() && s.tokenizer) {
+    for (const std::string& t : chat_stop_tokens(chat_format_for(cfg.model_type)))
+      if (auto id = s.tokenizer->token_id(t)) stop.insert(*id);
+  }
+
+  const int n_blocks = static_cast<int>((total + kKvBlock - 1) / kKvBlock);
+  std::unique_ptr<KvCache> cache = s.model->new_kv_cache(n_blocks);
+  SeqSlice seq;
+  for (int b = 0; b < n_blocks; ++b) seq.block_table.push_back(b);
+
+  Sampler sampler(args.sampling);
+  std::vector<int32_t> generated;
+  std::unique_ptr<TextStream> text;  // releases whole UTF-8 characters only
+  if (!args.print_tokens) text = std::make_unique<TextStream>(*s.tokenizer, std::vector<std::string>{}, false);
+  std::vector<int32_t> next = prompt;
+  for (int step = 0; step < args.n_predict; ++step) {
+    Batch batch;
+    seq.n_new = static_cast<int32_t>(next.size());
+    batch.tokens = next;
+    batch.seqs = {seq};
+    auto logits = s.model->forward(batch, *cache);
+    if (!logits.ok()) {
+      std::fprintf(stderr, "\nnibble: error: %s\n", logits.status().message().c_str());
+      return 1;
+    }
+    seq.n_past += seq.n_new;
+    const int32_t id = sampler.sample(logits.value());
+    if (!args.ignore_eos && stop.count(id)) break;
+    generated.push_back(id);
+    next = {id};
+    if (args.print_tokens) {
+      std::printf(generated.size() == 1 ? "%d" : " %d", id);
+    } else {
+      std::fputs(utf8_replace_invalid(text->add(id)).c_str(), stdout);
+    }
+    std::fflush(stdout);
+  }
+  if (text) std::fputs(utf8_replace_invalid(text->flush()).c_str(), stdout);
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace nb

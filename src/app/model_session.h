@@ -1,0 +1,26 @@
+// What run and eval share: resolve --device, load the model and (when present) its tokenizer.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "base/status.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
+
+namespace nb {
+
+struct ModelSession {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;  // null when the directory has no tokenizer
+};
+
+// device: auto | cpu | cuda. need_tokenizer: a missing tokenizer.json is an error.
+Result<ModelSession> open_model_session(const std::string& dir, const std::string& device, int threads,
+                                        bool need_tokenizer);
+
+// `s` with every invalid UTF-8 sequence replaced by U+FFFD, so the terminal gets valid text even when
+// a (random or badly trained) model emits byte tokens that form no character.
+std::string utf8_replace_invalid(const std::string& s);
+
+}  // namespace nb

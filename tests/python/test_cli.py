@@ -1,0 +1,109 @@
+"""The command-line contract (issue: Foundation, item 8), black-box through the nibble binary.
+
+`nibble run` greedy ids and `nibble eval --json` NLL are checked against the HF transformers
+references committed with each tiny golden checkpoint (tests/data/models/*/reference.json), with the
+CI bounds: NLL within 0.02 per position; greedy ids equal up to the first step whose reference
+top-2 margin is below 0.05. Every error case must print exactly one line on stderr and exit non-zero.
+"""
+import json
+import math
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NIBBLE = os.environ.get("NIBBLE_BIN", str(ROOT / "build" / "src" / "nibble"))
+MODELS = ROOT / "tests" / "data" / "models"
+MODEL_NAMES = sorted(p.name for p in MODELS.iterdir() if (p / "reference.json").exists()) if MODELS.exists() else []
+
+
+def nibble(*args, stdin=None, check=True):
+    proc = subprocess.run([NIBBLE, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"nibble {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one error line, got: {proc.stderr!r}"
+    for n in needles:
+        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+
+
+def reference(name):
+    return json.loads((MODELS / name / "reference.json").read_text())
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_eval_matches_reference_nll(name, tmp_path):
+    ref = reference(name)
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(map(str, ref["tokens"])) + "\n")
+    out = json.loads(nibble("eval", "-m", MODELS / name, "--tokens-file", tokens, "--json", "--chunk", 20).stdout)
+    assert out["n_tokens"] == len(ref["tokens"])
+    assert len(out["nll"]) == len(ref["nll"])
+    worst = max(abs(a - b) for a, b in zip(out["nll"], ref["nll"]))
+    assert worst <= 0.02, f"{name}: max |nll - ref| = {worst}"
+    assert out["ppl"] == pytest.approx(math.exp(out["mean_nll"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_run_greedy_matches_reference(name):
+    ref = reference(name)["greedy"]
+    prompt = " ".join(map(str, ref["prompt"]))
+    n = len(ref["ids"])
+    out = nibble("run", "-m", MODELS / name, "--prompt-tokens", prompt, "-n", n, "--temperature", 0,
+                 "--print-tokens", "--ignore-eos").stdout.split()
+    got = [int(x) for x in out]
+    for step, (want, margin) in enumerate(zip(ref["ids"], ref["margins"])):
+        if margin < 0.05:
+            break
+        assert step < len(got) and got[step] == want, f"{name}: step {step}: got {got[step:step+1]}, want {want}"
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_run_text_and_chat(name):
+    out = nibble("run", "-m", MODELS / name, "-p", "ROMEO:", "-n", 8, "--temperature", 0)
+    assert out.stdout.endswith("\n")
+    out = nibble("run", "-m", MODELS / name, "--chat", "Hello", "-n", 4, "--temperature", 0.8, "--seed", 3)
+    again = nibble("run", "-m", MODELS / name, "--chat", "Hello", "-n", 4, "--temperature", 0.8, "--seed", 3)
+    assert out.stdout == again.stdout  # seeded sampling repeats
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_inspect(name):
+    out = nibble("inspect", "-m", MODELS / name).stdout
+    cfg = json.loads((MODELS / name / "config.json").read_text())
+    assert cfg["model_type"] in out
+
+
+def test_eval_text_file(tmp_path):
+    if "gpt_oss_mxfp4" not in MODEL_NAMES:
+        pytest.skip("no gpt-oss golden")
+    text = tmp_path / "t.txt"
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    out = json.loads(nibble("eval", "-m", MODELS / "gpt_oss_mxfp4", "--text-file", text, "--json").stdout)
+    assert out["n_tokens"] > 5 and out["ppl"] > 1
+
+
+def test_errors_are_one_line(tmp_path):
+    model = MODELS / MODEL_NAMES[0] if MODEL_NAMES else tmp_path
+    assert_one_line_error(nibble("run", "-m", tmp_path / "missing", "-p", "x", check=False), "missing")
+    assert_one_line_error(nibble("run", "-m", model, check=False), "prompt")
+    assert_one_line_error(nibble("run", "-m", model, "-p", "x", "--chat", "y", check=False), "excludes")
+    assert_one_line_error(nibble("run", "-m", model, "-p", "x", "--device", "tpu", check=False), "device")
+    assert_one_line_error(nibble("run", "-m", model, "-p", "x", "--top-p", "2", check=False), "top-p")
+    assert_one_line_error(nibble("run", "-m", model, "--prompt-tokens", "1 x 3", check=False), "'x'")
+    assert_one_line_error(nibble("run", "-m", model, "--prompt-tokens", "99999999", check=False), "99999999")
+    assert_one_line_error(nibble("frobnicate", check=False))
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 2 -5")
+    assert_one_line_error(nibble("eval", "-m", model, "--tokens-file", bad, check=False), "bad.txt", "-5")
+    assert_one_line_error(nibble("eval", "-m", model, "--tokens-file", tmp_path / "nope.txt", check=False), "nope.txt")
+    assert_one_line_error(nibble("eval", "-m", model, check=False), "--tokens-file")
+    assert_one_line_error(nibble("inspect", "-m", tmp_path, check=False), "config.json")
+    assert_one_line_error(nibble("tokenize", "-m", tmp_path / "none.json", stdin="hi", check=False), "none.json")
