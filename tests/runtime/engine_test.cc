@@ -111,7 +111,9 @@ TEST(Engine, CancelFreesBlocksAndQueueIsBounded) {
   c.max_queue = 2;
   Engine engine(*model, c);
   std::vector<std::shared_ptr<RequestStream>> s;
-  ASSERT_EQ(engine.submit({greedy(40, 1, 400)}, &s), SubmitError::kNone);
+  // Long enough (~2000 tokens, no stop ids) to still be running when the checks below look at it,
+  // however slow a loaded CI machine is.
+  ASSERT_EQ(engine.submit({greedy(40, 1, 2000)}, &s), SubmitError::kNone);
   // Wait until it runs, then fill the queue: one running + 2 waiting; a 4th is refused.
   while (s[0]->wait(1000ms).tokens.empty()) {
   }
