@@ -43,7 +43,49 @@ TensorView expert_slice(const TensorView& t, int64_t e) {
   return v;
 }
 
+uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name); }
+
+// Dense layers --dense-format applies to: attention projections and lm_head.
+bool is_dense_target(const std::string& prefix) {
+  const bool proj = prefix.find(".self_attn.") != std::string::npos && prefix.size() > 5 &&
+                    prefix.compare(prefix.size() - 5, 5, "_proj") == 0;
+  return proj || prefix == "lm_head";
+}
+
+WeightFormat weight_format_of(DenseFormat f) {
+  switch (f) {
+    case DenseFormat::kFP8:
+      return WeightFormat::kFP8E4M3;
+    case DenseFormat::kMXFP4:
+      return WeightFormat::kMXFP4;
+    case DenseFormat::kNVFP4:
+      return WeightFormat::kNVFP4;
+    case DenseFormat::kKeep:
+      break;
+  }
+  return WeightFormat::kBF16;
+}
+
 }  // namespace
+
+const char* dense_format_name(DenseFormat f) {
+  static const char* kNames[] = {"keep", "fp8", "mxfp4", "nvfp4"};
+  return kNames[static_cast<int>(f)];
+}
+
+Result<Weight> WeightLoader::dummy_linear(const std::string& prefix, int64_t n, int64_t k, WeightFormat format) {
+  Weight w = factory_->random_weight(format, n, k, 0.02f, seed_of(prefix), prefix);
+  record(prefix, std::string("dummy ") + weight_format_name(format), {n, k}, n * k, w.bytes());
+  return maybe_requantize(prefix, std::move(w));
+}
+
+Result<Weight> WeightLoader::maybe_requantize(const std::string& prefix, Weight w) {
+  if (dense_ == DenseFormat::kKeep || w.format != WeightFormat::kBF16 || !is_dense_target(prefix)) return w;
+  if (!factory_) return error("--dense-format " + std::string(dense_format_name(dense_)) + " needs the CUDA backend");
+  NB_ASSIGN_OR_RETURN(Weight q, factory_->requantize(w, weight_format_of(dense_)));
+  record(prefix + " (as " + dense_format_name(dense_) + ")", weight_format_name(q.format), {w.n, w.k}, 0, q.bytes());
+  return q;
+}
 
 void WeightLoader::record(const std::string& name, const std::string& format,
                           const std::vector<int64_t>& shape, int64_t params, int64_t bytes) {
@@ -88,6 +130,12 @@ Result<float> WeightLoader::scalar(const std::string& name) {
 }
 
 Result<Weight> WeightLoader::linear(const std::string& prefix, int64_t n, int64_t k) {
+  if (dummy_) {
+    const QuantMethod m = config_.quant.method;
+    const bool nvfp4 = (m == QuantMethod::kModeloptNvfp4 || m == QuantMethod::kCompressedTensorsNvfp4) &&
+                       !is_module_excluded(config_.quant, prefix) && k % fmt::kNvfp4Block == 0;
+    return dummy_linear(prefix, n, k, nvfp4 ? WeightFormat::kNVFP4 : WeightFormat::kBF16);
+  }
   Weight w;
   w.n = n;
   w.k = k;
@@ -119,7 +167,7 @@ Result<Weight> WeightLoader::linear(const std::string& prefix, int64_t n, int64_
   record(prefix, format, {n, k}, n * k,
          view_bytes(part.data) + view_bytes(part.scales) + (w.format == WeightFormat::kNVFP4 ? 4 : 0));
   w.parts.push_back(std::move(part));
-  return w;
+  return maybe_requantize(prefix, std::move(w));
 }
 
 Result<Weight> WeightLoader::fused(const std::vector<std::string>& prefixes, int64_t n_each, int64_t k) {
@@ -138,6 +186,7 @@ Result<Weight> WeightLoader::fused(const std::vector<std::string>& prefixes, int
 }
 
 Result<Weight> WeightLoader::dense(const std::string& name, int64_t n, int64_t k) {
+  if (dummy_) return dummy_linear(name, n, k, WeightFormat::kBF16);
   Weight w;
   w.n = n;
   w.k = k;
@@ -151,6 +200,13 @@ Result<Weight> WeightLoader::dense(const std::string& name, int64_t n, int64_t k
 }
 
 Result<Tensor> WeightLoader::floats(const std::string& name, const std::vector<int64_t>& shape) {
+  if (dummy_) {
+    // Norm weights near 1, biases and sinks small.
+    const bool norm = name.find("norm") != std::string::npos;
+    Tensor t = factory_->random_floats(shape, norm ? 1.0f : 0.0f, norm ? 0.05f : 0.02f, seed_of(name));
+    record(name, "dummy F32", shape, t.numel(), t.numel() * 4);
+    return t;
+  }
   NB_ASSIGN_OR_RETURN(TensorView v, get_float(name, shape));
   record(name, "dense " + std::string(dtype_name(v.dtype)), shape, v.numel(), v.nbytes());
   return backend_.upload(v);
@@ -171,6 +227,15 @@ Result<MoeExperts> WeightLoader::stacked_mxfp4_experts(const std::string& prefix
   for (const Stack& s : {Stack{"gate_up_proj", 2 * int64_t{d_expert}, d_model, &ex.fc1},
                          Stack{"down_proj", d_model, d_expert, &ex.fc2}}) {
     const std::string base = prefix + "." + s.name;
+    if (dummy_) {
+      for (int e = 0; e < n_experts; ++e) {
+        const std::string name = base + "[" + std::to_string(e) + "]";
+        s.out->push_back(factory_->random_weight(WeightFormat::kMXFP4, s.n, s.k, 0.02f, seed_of(name), name));
+      }
+      record(base, "dummy mxfp4", {n_experts, s.n, s.k}, n_experts * s.n * s.k,
+             n_experts * (s.n * s.k / 2 + s.n * s.k / 32));
+      continue;
+    }
     if (!ckpt_.has(base + "_blocks"))
       return error("tensor '" + base + "_blocks' not found (gpt-oss experts must be MXFP4 _blocks/_scales)");
     NB_RETURN_IF_ERROR(check_method(base + "_blocks", QuantMethod::kMxfp4));

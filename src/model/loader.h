@@ -11,6 +11,7 @@
 #include "io/config.h"
 #include "io/safetensors.h"
 #include "model/weight.h"
+#include "model/weight_factory.h"
 
 namespace nb {
 
@@ -44,6 +45,15 @@ class WeightLoader {
 
   bool has(const std::string& name) const { return ckpt_.has(name); }
 
+  // Device-side producers (CUDA backend): with dummy, every weight is random, of the format the config
+  // implies, and the checkpoint is not read; dense != kKeep re-quantizes the dense attention projections
+  // and lm_head.
+  void use_factory(WeightFactory* factory, bool dummy, DenseFormat dense) {
+    factory_ = factory;
+    dummy_ = dummy;
+    dense_ = dense;
+  }
+
  private:
   Result<TensorView> get_float(const std::string& name, const std::vector<int64_t>& shape);
   Result<float> scalar(const std::string& name);
@@ -51,6 +61,12 @@ class WeightLoader {
   void record(const std::string& name, const std::string& format, const std::vector<int64_t>& shape,
               int64_t params, int64_t bytes);
 
+  Result<Weight> dummy_linear(const std::string& prefix, int64_t n, int64_t k, WeightFormat format);
+  Result<Weight> maybe_requantize(const std::string& prefix, Weight w);
+
+  WeightFactory* factory_ = nullptr;
+  bool dummy_ = false;
+  DenseFormat dense_ = DenseFormat::kKeep;
   const Checkpoint& ckpt_;
   const ModelConfig& config_;
   Backend& backend_;

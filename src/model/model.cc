@@ -4,6 +4,10 @@
 #include <cstdio>
 
 #include "backend/cpu/cpu_backend.h"
+#include "base/log.h"
+#if NIBBLE_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace nb {
 namespace {
@@ -34,9 +38,31 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
-  if (options.device != Device::kCpu) return error("only the CPU backend is available in this build");
-  NB_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
-  auto backend = std::make_unique<CpuBackend>(options.n_threads);
+  // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).
+  Checkpoint ckpt;
+  if (!options.dummy_weights) {
+    NB_ASSIGN_OR_RETURN(ckpt, Checkpoint::open(dir));
+  }
+  std::unique_ptr<Backend> backend;
+  WeightFactory* factory = nullptr;
+  if (options.device == Device::kCpu) {
+    if (options.dummy_weights || options.dense_format != DenseFormat::kKeep)
+      return error("--dummy-weights and --dense-format need the CUDA backend");
+    backend = std::make_unique<CpuBackend>(options.n_threads);
+  } else {
+#if NIBBLE_HAVE_CUDA
+    NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create({0, options.kv_cache_dtype}));
+    if (!options.dummy_weights) {
+      NB_ASSIGN_OR_RETURN(CudaLoadStats st, cuda->upload_checkpoint(ckpt));
+      NB_LOG_INFO("weights to the GPU: %.2f GB in %.2f s (%.1f GB/s)", st.bytes / 1e9, st.seconds,
+                  st.seconds > 0 ? st.bytes / 1e9 / st.seconds : 0.0);
+    }
+    factory = cuda.get();
+    backend = std::move(cuda);
+#else
+    return error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
+#endif
+  }
   std::unique_ptr<Model> model;
   switch (config.arch) {
     case Arch::kGptOss:
@@ -56,6 +82,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   }
   NB_CHECK(model != nullptr, "unhandled architecture");
   WeightLoader loader(model->checkpoint_, model->config_, *model->backend_, model->catalog_);
+  loader.use_factory(factory, options.dummy_weights, options.dense_format);
   NB_RETURN_IF_ERROR(model->load_weights(loader).with_context(dir));
   return model;
 }
@@ -104,7 +131,14 @@ Result<std::vector<float>> Model::forward(const Batch& batch, KvCache& cache) {
   if (cache.k.size() != static_cast<size_t>(config_.n_layers))
     return error("KV cache made for another model");
   NB_ASSIGN_OR_RETURN(BatchInfo info, make_batch_info(batch, cache));
-  Tensor logits = run(info, cache);
+  Tensor logits;
+#if NIBBLE_HAVE_CUDA
+  // Decode steps (a few tokens) replay one CUDA graph per batch shape.
+  if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get()); cuda && info.n_tokens() <= 8)
+    logits = cuda->run_graphed(info, cache, [&] { return run(info, cache); });
+  else
+#endif
+    logits = run(info, cache);
   return backend_->to_host(logits);
 }
 

@@ -13,12 +13,17 @@
 #include "io/config.h"
 #include "io/safetensors.h"
 #include "model/loader.h"
+#include "model/weight_factory.h"
 
 namespace nb {
 
 struct ModelOptions {
   Device device = Device::kCpu;
   int n_threads = 0;  // CPU backend: 0 = all cores
+  // CUDA backend only:
+  DType kv_cache_dtype = DType::kBF16;       // kBF16, kF8_E4M3 or kF32
+  DenseFormat dense_format = DenseFormat::kKeep;  // re-quantize dense attention projections and lm_head
+  bool dummy_weights = false;                // random weights from config.json alone; no safetensors read
 };
 
 struct KvCacheOptions {

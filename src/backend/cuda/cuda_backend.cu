@@ -1,0 +1,734 @@
+// CudaBackend: memory (caching pool, weight copies), the translation of model Weights into kernel
+// descriptors, and the Backend ops as kernel launches on one stream. Kernels live in src/kernels/.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "base/log.h"
+#include "kernels/attention.cuh"
+#include "kernels/gemv.cuh"
+#include "kernels/moe.cuh"
+#include "kernels/norm_rope.cuh"
+#include "kernels/quant.cuh"
+
+namespace nb {
+
+using cuda::DevWeight;
+using cuda::KvKind;
+using cuda::WKind;
+
+namespace {
+
+// Freed activation buffers are kept by size class and handed out again; the stream orders reuse, since
+// every op runs on the one stream. Size classes: powers of two up to 1 MiB, then whole MiB.
+class Pool {
+ public:
+  ~Pool() { release_all(); }
+  static size_t size_class(size_t bytes) {
+    if (bytes <= 256) return 256;
+    if (bytes <= (1u << 20)) {
+      size_t c = 256;
+      while (c < bytes) c <<= 1;
+      return c;
+    }
+    return (bytes + (1u << 20) - 1) & ~size_t{(1u << 20) - 1};
+  }
+  // While a graph is captured its scratch comes from, and returns to, the graph's own list, so no later
+  // allocation outside the graph can hold memory the graph writes on replay.
+  void begin_private(std::multimap<size_t, void*>* list) { private_ = list; }
+  void end_private() { private_ = nullptr; }
+
+  void* get(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::multimap<size_t, void*>& from = private_ ? *private_ : free_;
+      auto it = from.find(bytes);
+      if (it != from.end()) {
+        void* p = it->second;
+        from.erase(it);
+        return p;
+      }
+    }
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      release_all();
+      err = cudaMalloc(&p, bytes);
+    }
+    if (err != cudaSuccess) {
+      size_t free_b = 0, total_b = 0;
+      (void)cudaGetLastError();
+      cudaMemGetInfo(&free_b, &total_b);
+      NB_CHECK(false, "CUDA out of memory: allocating " + std::to_string(bytes >> 20) + " MiB with " +
+                          std::to_string(free_b >> 20) + " MiB free of " + std::to_string(total_b >> 20) +
+                          " MiB; use fewer KV blocks or a smaller batch");
+    }
+    return p;
+  }
+  void put(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    (private_ ? *private_ : free_).emplace(bytes, p);
+  }
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [size, p] : free_) cudaFree(p);
+    free_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  std::multimap<size_t, void*>* private_ = nullptr;
+};
+
+// One captured decode step: its metadata buffer (the graph reads token ids, positions and block tables
+// from it), its scratch memory and its logits.
+struct GraphRec {
+  int eager_runs = 0;
+  cudaGraphExec_t exec = nullptr;
+  Tensor meta, logits;
+  std::multimap<size_t, void*> scratch;
+  std::vector<const void*> cache_ptrs;
+};
+
+// A checkpoint tensor's host bytes and where their device copy lives.
+struct Region {
+  uintptr_t host_begin = 0, host_end = 0;
+  uint8_t* dev = nullptr;
+};
+
+struct ExpertDev {
+  cuda::ExpertTable table;
+  Tensor fc1, fc2;  // the DevWeight arrays, device memory
+};
+
+KvKind kv_kind_of(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return KvKind::kF32;
+    case DType::kBF16:
+      return KvKind::kBF16;
+    default:
+      return KvKind::kFP8;
+  }
+}
+
+}  // namespace
+
+struct CudaBackend::Impl {
+  CudaDeviceInfo info;
+  CudaBackendOptions options;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<Pool> pool = std::make_shared<Pool>();
+  std::vector<Region> regions;          // sorted by host_begin
+  std::vector<void*> owned;             // weight buffers: checkpoint copies, re-quantized, random
+  std::unordered_map<const void*, ExpertDev> experts;   // by fc1[0]'s data pointer
+  std::unordered_map<const float*, Tensor> rope_tables;  // by RopeTable::inv_freq.data()
+  // The last batch's metadata, on the host (to see whether it changed) and on the device.
+  std::vector<int32_t> h_batch;
+  Tensor d_batch;
+  cuda::DevBatch dev_batch;
+  const int32_t* d_tokens = nullptr;
+  const int32_t* d_logit_rows = nullptr;
+  std::vector<int32_t> h_logit_rows;
+  std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
+
+  ~Impl() {
+    if (stream) cudaStreamSynchronize(stream);
+    for (auto& [key, g] : graphs) {
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+      g.meta = Tensor();
+      g.logits = Tensor();
+      for (auto& [size, p] : g.scratch) cudaFree(p);
+    }
+    graphs.clear();
+    for (void* p : owned) cudaFree(p);
+    experts.clear();
+    rope_tables.clear();
+    d_batch = Tensor();
+    pool->release_all();
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  Tensor make(DType dtype, std::vector<int64_t> shape) {
+    Tensor t;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.device = Device::kCuda;
+    const size_t bytes = Pool::size_class(std::max<int64_t>(1, t.numel() * dtype_bits(dtype) / 8));
+    void* p = pool->get(bytes);
+    std::shared_ptr<Pool> keep = pool;
+    t.storage = std::shared_ptr<uint8_t[]>(static_cast<uint8_t*>(p),
+                                           [keep, bytes](uint8_t* q) { keep->put(q, bytes); });
+    if (options.poison) CUDA_CHECK(cudaMemsetAsync(p, 0xff, bytes, stream));
+    return t;
+  }
+
+  void* owned_alloc(size_t bytes) {
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      pool->release_all();
+      err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+    }
+    NB_CHECK(err == cudaSuccess, "CUDA out of memory allocating " + std::to_string(bytes >> 20) + " MiB of weights");
+    owned.push_back(p);
+    return p;
+  }
+
+  const uint8_t* dev_ptr(const TensorView& v, const std::string& name) const {
+    if (!v.data) return nullptr;
+    if (v.device == Device::kCuda) return static_cast<const uint8_t*>(v.data);
+    const uintptr_t h = reinterpret_cast<uintptr_t>(v.data);
+    auto it = std::upper_bound(regions.begin(), regions.end(), h,
+                               [](uintptr_t x, const Region& r) { return x < r.host_begin; });
+    NB_CHECK(it != regions.begin() && h < std::prev(it)->host_end,
+             "weight '" + name + "' (host bytes at " + std::to_string(h) + ") is not on the device: not among the " +
+                 std::to_string(regions.size()) + " uploaded ranges");
+    const Region& r = *std::prev(it);
+    return r.dev + (h - r.host_begin);
+  }
+
+  DevWeight dev_weight(const Weight& w) const {
+    DevWeight d;
+    d.n = static_cast<int32_t>(w.n);
+    d.k = static_cast<int32_t>(w.k);
+    NB_CHECK(!w.parts.empty() && w.parts.size() <= cuda::kMaxParts, "weight with " + std::to_string(w.parts.size()) +
+                                                                         " parts");
+    d.n_parts = static_cast<int32_t>(w.parts.size());
+    int elems = 32, elem_bits = 4;  // per 16-byte chunk, bits per element
+    switch (w.format) {
+      case WeightFormat::kBF16: {
+        const DType dt = w.parts[0].data.dtype;
+        d.kind = dt == DType::kF32 ? WKind::kF32 : dt == DType::kF16 ? WKind::kF16 : WKind::kBF16;
+        elem_bits = dt == DType::kF32 ? 32 : 16;
+        elems = 128 / elem_bits;
+        break;
+      }
+      case WeightFormat::kFP8E4M3:
+        d.kind = WKind::kFP8, elems = 16, elem_bits = 8;
+        break;
+      case WeightFormat::kMXFP4:
+        d.kind = WKind::kMXFP4;
+        break;
+      case WeightFormat::kNVFP4:
+        d.kind = WKind::kNVFP4;
+        break;
+    }
+    bool aligned = w.k % elems == 0;
+    for (size_t i = 0; i < w.parts.size(); ++i) {
+      const WeightPart& p = w.parts[i];
+      cuda::DevPart& q = d.part[i];
+      q.data = dev_ptr(p.data, p.name);
+      q.scales = dev_ptr(p.scales, p.name);
+      q.global = p.global_scale;
+      q.divide = p.convention == fmt::GlobalScale::kDivide;
+      q.rows = static_cast<int32_t>(p.rows);
+      aligned = aligned && reinterpret_cast<uintptr_t>(q.data) % 16 == 0 && (w.k * elem_bits / 8) % 16 == 0;
+    }
+    d.vec_ok = aligned;
+    return d;
+  }
+
+  static std::vector<int32_t> batch_words(const BatchInfo& b, int32_t* stride_out) {
+    const int64_t T = b.n_tokens();
+    int32_t stride = 1;
+    for (const SeqInfo& s : b.seqs) stride = std::max<int32_t>(stride, static_cast<int32_t>(s.block_table.size()));
+    std::vector<int32_t> h;
+    h.reserve(3 * T + b.logit_rows.size() + b.seqs.size() * stride);
+    h.insert(h.end(), b.tokens.begin(), b.tokens.end());
+    h.insert(h.end(), b.positions.begin(), b.positions.end());
+    h.insert(h.end(), b.seq_of.begin(), b.seq_of.end());
+    h.insert(h.end(), b.logit_rows.begin(), b.logit_rows.end());
+    for (const SeqInfo& s : b.seqs) {
+      h.insert(h.end(), s.block_table.begin(), s.block_table.end());
+      h.insert(h.end(), stride - s.block_table.size(), 0);
+    }
+    *stride_out = stride;
+    return h;
+  }
+
+  // Points the ops at batch metadata in `buf` (uploading h into it).
+  void bind_batch(const BatchInfo& b, std::vector<int32_t> h, int32_t stride, const Tensor& buf) {
+    CUDA_CHECK(cudaMemcpyAsync(buf.data<int32_t>(), h.data(), h.size() * 4, cudaMemcpyHostToDevice, stream));
+    const int64_t T = b.n_tokens();
+    const int32_t* base = buf.data<int32_t>();
+    d_tokens = base;
+    d_logit_rows = base + 3 * T;
+    h_logit_rows = b.logit_rows;
+    dev_batch = cuda::DevBatch{base + T, base + 2 * T, base + 3 * T + b.logit_rows.size(), stride, T};
+    h_batch = std::move(h);
+  }
+
+  // Uploads the batch's token metadata when it differs from the last one (ops of one forward share it).
+  const cuda::DevBatch& batch(const BatchInfo& b) {
+    int32_t stride = 0;
+    std::vector<int32_t> h = batch_words(b, &stride);
+    if (h != h_batch) {
+      d_batch = make(DType::kI32, {static_cast<int64_t>(h.size())});
+      bind_batch(b, std::move(h), stride, d_batch);
+    }
+    return dev_batch;
+  }
+
+  Tensor upload_i32(const std::vector<int32_t>& v) {
+    Tensor t = make(DType::kI32, {static_cast<int64_t>(v.size())});
+    CUDA_CHECK(cudaMemcpyAsync(t.data<int32_t>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, stream));
+    return t;
+  }
+
+  const ExpertDev& expert_tables(const MoeExperts& ex);
+};
+
+namespace {
+
+void check_f32(const Tensor& t, const char* op) {
+  NB_CHECK(t.device == Device::kCuda && t.dtype == DType::kF32,
+           std::string(op) + ": expects an fp32 tensor on the CUDA device, got " + shape_string(t.shape));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOptions& options) {
+  if (options.kv_cache_dtype != DType::kBF16 && options.kv_cache_dtype != DType::kF8_E4M3 &&
+      options.kv_cache_dtype != DType::kF32)
+    return error("--kv-cache-dtype: the CUDA backend stores the KV cache as bf16, fp8 (E4M3) or f32");
+  NB_ASSIGN_OR_RETURN(CudaDeviceInfo info, cuda_device_info(options.device));
+  auto impl = std::make_unique<Impl>();
+  impl->info = info;
+  impl->options = options;
+  NB_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
+}
+
+CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaBackend::~CudaBackend() = default;
+
+std::string CudaBackend::name() const {
+  static const char* kKv[] = {"f32", "bf16", "fp8"};
+  return "cuda: " + describe(impl_->info) + ", kv cache " + kKv[static_cast<int>(kv_kind_of(impl_->options.kv_cache_dtype))];
+}
+
+void* CudaBackend::stream() const { return impl_->stream; }
+
+Status CudaBackend::synchronize() { return cuda_status(cudaStreamSynchronize(impl_->stream), "CUDA stream"); }
+
+Result<CudaLoadStats> CudaBackend::upload_checkpoint(const Checkpoint& ckpt) {
+  std::vector<TensorView> views;
+  for (const std::string& name : ckpt.names()) views.push_back(ckpt.find(name)->view());
+  return upload_views(views);
+}
+
+Result<CudaLoadStats> CudaBackend::upload_views(const std::vector<TensorView>& views) {
+  const auto t0 = std::chrono::steady_clock::now();
+  // Every tensor gets a 256-byte aligned slot in one device buffer (file offsets need not be aligned);
+  // the copies go out back to back on the stream from the mmapped (and, where the OS allows, pinned) file.
+  struct Item {
+    const uint8_t* host;
+    size_t bytes, offset;
+  };
+  std::vector<Item> items;
+  size_t total = 0;
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  for (const TensorView& v : views) {
+    if (!v.data || v.device == Device::kCuda) continue;
+    const size_t bytes = static_cast<size_t>(v.nbytes());
+    if (bytes == 0) continue;
+    items.push_back({static_cast<const uint8_t*>(v.data), bytes, total});
+    total += (bytes + 255) & ~size_t{255};
+    lo = std::min(lo, reinterpret_cast<uintptr_t>(v.data));
+    hi = std::max(hi, reinterpret_cast<uintptr_t>(v.data) + bytes);
+  }
+  if (items.empty()) return CudaLoadStats{};
+  size_t free_b = 0, total_b = 0;
+  NB_RETURN_IF_ERROR(cuda_status(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo"));
+  if (total > free_b)
+    return error("CUDA out of memory: the checkpoint needs " + std::to_string(total >> 20) + " MiB on the device, " +
+                 std::to_string(free_b >> 20) + " MiB are free");
+  uint8_t* dev = nullptr;
+  NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&dev, total), "cudaMalloc (checkpoint weights)"));
+  impl_->owned.push_back(dev);
+  // Pin the mapped files' pages for DMA when the OS lets us (several shards span one range here only
+  // when they are adjacent; otherwise pin each item's range).
+  std::vector<void*> pinned;
+  auto pin = [&](uintptr_t a, uintptr_t b) {
+    const uintptr_t page = 4096;
+    a &= ~(page - 1);
+    b = (b + page - 1) & ~(page - 1);
+    if (cudaHostRegister(reinterpret_cast<void*>(a), b - a, cudaHostRegisterReadOnly) == cudaSuccess)
+      pinned.push_back(reinterpret_cast<void*>(a));
+    else
+      (void)cudaGetLastError();  // pageable copies still work, slower
+  };
+  if (total >= (size_t{256} << 20) && hi - lo <= total + (size_t{64} << 20)) pin(lo, hi);
+  for (const Item& it : items) {
+    NB_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpyAsync(dev + it.offset, it.host, it.bytes, cudaMemcpyHostToDevice, impl_->stream), "weight copy"));
+    impl_->regions.push_back({reinterpret_cast<uintptr_t>(it.host), reinterpret_cast<uintptr_t>(it.host) + it.bytes,
+                              dev + it.offset});
+  }
+  const Status st = synchronize();
+  for (void* p : pinned) cudaHostUnregister(p);
+  NB_RETURN_IF_ERROR(st);
+  std::sort(impl_->regions.begin(), impl_->regions.end(),
+            [](const Region& a, const Region& b) { return a.host_begin < b.host_begin; });
+  CudaLoadStats stats;
+  stats.bytes = static_cast<int64_t>(total);
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+Tensor CudaBackend::alloc(DType dtype, std::vector<int64_t> shape) { return impl_->make(dtype, std::move(shape)); }
+
+Tensor CudaBackend::upload(const TensorView& host) {
+  std::vector<float> f(host.numel());
+  if (host.dtype == DType::kF32) {
+    std::memcpy(f.data(), host.data, f.size() * 4);
+  } else if (host.dtype == DType::kBF16) {
+    for (size_t i = 0; i < f.size(); ++i) f[i] = fmt::bf16_to_float(host.as<uint16_t>()[i]);
+  } else {
+    NB_CHECK(host.dtype == DType::kF16, "upload of a non-float tensor");
+    for (size_t i = 0; i < f.size(); ++i) f[i] = f16_to_float(host.as<uint16_t>()[i]);
+  }
+  Tensor t = alloc(DType::kF32, host.shape);
+  CUDA_CHECK(cudaMemcpyAsync(t.data<float>(), f.data(), f.size() * 4, cudaMemcpyHostToDevice, impl_->stream));
+  return t;
+}
+
+std::vector<float> CudaBackend::to_host(const Tensor& t) {
+  check_f32(t, "to_host");
+  std::vector<float> out(t.numel());
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data<float>(), out.size() * 4, cudaMemcpyDeviceToHost, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  return out;
+}
+
+std::unique_ptr<KvCache> CudaBackend::new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) {
+  auto cache = std::make_unique<KvCache>();
+  cache->n_blocks = n_blocks;
+  const DType dt = impl_->options.kv_cache_dtype;
+  for (int l = 0; l < n_layers; ++l) {
+    cache->k.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
+    cache->v.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
+    // Unwritten slots are never read (attention stops at the token's position), but keep them finite.
+    CUDA_CHECK(cudaMemsetAsync(cache->k.back().data<uint8_t>(), 0, cache->k.back().numel() * dtype_bits(dt) / 8,
+                               impl_->stream));
+    CUDA_CHECK(cudaMemsetAsync(cache->v.back().data<uint8_t>(), 0, cache->v.back().numel() * dtype_bits(dt) / 8,
+                               impl_->stream));
+  }
+  return cache;
+}
+
+Tensor CudaBackend::embedding(const Weight& table, const BatchInfo& b) {
+  impl_->batch(b);
+  Tensor out = alloc(DType::kF32, {b.n_tokens(), table.k});  // [n_tokens, d_model]
+  cuda::launch_embedding(impl_->dev_weight(table), impl_->d_tokens, b.n_tokens(), out.data<float>(), impl_->stream);
+  return out;
+}
+
+Tensor CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps) {
+  check_f32(x, "rms_norm");
+  const int64_t d = x.dim(-1);
+  NB_CHECK(w.numel() == d, "rms_norm weight " + shape_string(w.shape) + " for rows of " + std::to_string(d));
+  Tensor out = alloc(DType::kF32, x.shape);
+  cuda::launch_rms_norm(x.data<float>(), nullptr, w.data<float>(), x.numel() / d, static_cast<int>(d), eps,
+                        out.data<float>(), impl_->stream);
+  return out;
+}
+
+Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias) {
+  check_f32(x, "linear");
+  NB_CHECK(x.dim(-1) == w.k, "linear: input " + shape_string(x.shape) + " for weight " + w.shape_string());
+  NB_CHECK(!bias || bias->numel() == w.n, "linear: bias size");
+  std::vector<int64_t> shape = x.shape;
+  shape.back() = w.n;
+  Tensor out = alloc(DType::kF32, shape);
+  cuda::launch_linear(impl_->dev_weight(w), x.data<float>(), x.numel() / w.k, bias ? bias->data<float>() : nullptr,
+                      out.data<float>(), impl_->stream);
+  return out;
+}
+
+void CudaBackend::rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) {
+  check_f32(x, "rope");
+  const int64_t half = x.dim(2) / 2;
+  NB_CHECK(x.dim(0) == b.n_tokens() && static_cast<int64_t>(rope.inv_freq.size()) == half, "rope shapes");
+  auto it = impl_->rope_tables.find(rope.inv_freq.data());
+  if (it == impl_->rope_tables.end()) {
+    TensorView v{rope.inv_freq.data(), DType::kF32, {half}};
+    it = impl_->rope_tables.emplace(rope.inv_freq.data(), upload(v)).first;
+  }
+  const cuda::DevBatch& db = impl_->batch(b);
+  cuda::launch_rope(x.data<float>(), db.positions, it->second.data<float>(), rope.attention_scale, x.dim(0),
+                    static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), impl_->stream);
+}
+
+void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) {
+  check_f32(k, "kv_write");
+  check_f32(v, "kv_write");
+  const Tensor& kc = cache.k[layer];
+  NB_CHECK(k.dim(1) == kc.dim(2) && k.dim(2) == kc.dim(3) && k.shape == v.shape, "kv_write shapes");
+  const cuda::DevBatch& db = impl_->batch(b);
+  cuda::launch_kv_write(kv_kind_of(kc.dtype), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(), k.data<float>(),
+                        v.data<float>(), db, static_cast<int>(k.dim(1)), static_cast<int>(k.dim(2)), impl_->stream);
+}
+
+Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
+                              const AttentionParams& p) {
+  check_f32(q, "attention");
+  const Tensor& kc = cache.k[layer];
+  cuda::AttnShape a;
+  a.n_heads = static_cast<int>(q.dim(1));
+  a.n_kv_heads = static_cast<int>(kc.dim(2));
+  a.head_dim = static_cast<int>(q.dim(2));
+  NB_CHECK(kc.dim(3) == a.head_dim && a.n_heads % a.n_kv_heads == 0, "attention shapes");
+  a.scale = p.scale;
+  a.window = p.window;
+  a.sinks = p.sinks ? p.sinks->data<float>() : nullptr;
+  // Split the context so that heads x tokens x splits fills the GPU twice. The count depends on the
+  // shapes only, not on the context length, so a captured decode graph stays right as the context grows
+  // (splits beyond the context are empty and cost one idle block each).
+  const int64_t want = (2 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
+  a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
+  const cuda::DevBatch& db = impl_->batch(b);
+  Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
+  Tensor out = alloc(DType::kF32, q.shape);
+  cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
+                         db, a, ws.data<float>(), out.data<float>(), impl_->stream);
+  return out;
+}
+
+Routes CudaBackend::moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) {
+  check_f32(logits, "moe_route");
+  const int64_t n_tokens = logits.dim(0), n_experts = logits.dim(1);
+  Routes r{alloc(DType::kI32, {n_tokens, top_k}), alloc(DType::kF32, {n_tokens, top_k})};
+  cuda::launch_moe_route(logits.data<float>(), n_tokens, static_cast<int>(n_experts), top_k,
+                         kind == RouterKind::kSoftmaxThenTopK, renormalize, r.ids.data<int32_t>(),
+                         r.weights.data<float>(), impl_->stream);
+  return r;
+}
+
+const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
+  NB_CHECK(!ex.fc1.empty() && !ex.fc1[0].parts.empty(), "moe_experts: no experts");
+  const void* key = ex.fc1[0].parts[0].data.data;
+  auto it = experts.find(key);
+  if (it != experts.end()) return it->second;
+  ExpertDev d;
+  std::vector<DevWeight> fc1, fc2;
+  for (int e = 0; e < ex.n_experts; ++e) {
+    fc1.push_back(dev_weight(ex.fc1[e]));
+    fc2.push_back(dev_weight(ex.fc2[e]));
+    NB_CHECK(fc1.back().kind == fc1[0].kind && fc2.back().kind == fc1[0].kind,
+             "moe_experts: every expert projection must share one format");
+  }
+  const int64_t bytes = static_cast<int64_t>(sizeof(DevWeight)) * ex.n_experts;
+  d.fc1 = make(DType::kU8, {bytes});
+  d.fc2 = make(DType::kU8, {bytes});
+  CUDA_CHECK(cudaMemcpyAsync(d.fc1.data<uint8_t>(), fc1.data(), bytes, cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(d.fc2.data<uint8_t>(), fc2.data(), bytes, cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // once per layer, at the first forward
+  cuda::ExpertTable& t = d.table;
+  t.fc1 = reinterpret_cast<const DevWeight*>(d.fc1.data<uint8_t>());
+  t.fc2 = reinterpret_cast<const DevWeight*>(d.fc2.data<uint8_t>());
+  t.kind = fc1[0].kind;
+  t.n_experts = ex.n_experts;
+  t.d_expert = ex.d_expert;
+  t.d_model = static_cast<int>(ex.fc1[0].k);
+  t.fc1_bias = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
+  t.fc2_bias = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
+  return experts.emplace(key, std::move(d)).first->second;
+}
+
+Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
+  check_f32(x, "moe_experts");
+  const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
+  const ExpertDev& d = impl_->expert_tables(ex);
+  NB_CHECK(x.dim(1) == d.table.d_model, "moe_experts: input " + shape_string(x.shape));
+  const bool inter = ex.layout == GluLayout::kInterleaved;
+  const cuda::Glu g = glu.activation == Activation::kGptOssClamped
+                          ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
+                          : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
+  Tensor act = alloc(DType::kF32, {n_tokens * top_k, ex.d_expert});
+  cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
+                       x.data<float>(), g, glu.limit, act.data<float>(), impl_->stream);
+  return act;
+}
+
+Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeExperts& ex) {
+  const int64_t top_k = routes.ids.dim(1), n_tokens = routes.ids.dim(0);
+  const ExpertDev& d = impl_->expert_tables(ex);
+  NB_CHECK(act.dim(0) == n_tokens * top_k && act.dim(1) == ex.d_expert, "moe_fc2: act " + shape_string(act.shape));
+  Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
+  cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
+                       static_cast<int>(top_k), act.data<float>(), y.data<float>(), impl_->stream);
+  return y;
+}
+
+Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
+  return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+}
+
+Tensor CudaBackend::run_graphed(const BatchInfo& b, const KvCache& cache, const std::function<Tensor()>& step) {
+  Impl& I = *impl_;
+  int32_t stride = 0;
+  std::vector<int32_t> h = Impl::batch_words(b, &stride);
+  // The graph bakes in the cache's buffers: a new cache at the same address must not replay an old graph.
+  std::vector<const void*> cache_ptrs;
+  for (size_t l = 0; l < cache.k.size(); ++l) cache_ptrs.push_back(cache.k[l].storage.get()), cache_ptrs.push_back(cache.v[l].storage.get());
+  GraphRec& g = I.graphs[{b.n_tokens(), b.seqs.size(), stride, b.logit_rows.size(), &cache}];
+  if (g.cache_ptrs != cache_ptrs) {
+    if (g.exec) CUDA_CHECK(cudaGraphExecDestroy(g.exec));
+    g.exec = nullptr;
+    g.eager_runs = 0;
+    g.cache_ptrs = cache_ptrs;
+  }
+  if (g.meta.empty()) g.meta = I.make(DType::kI32, {static_cast<int64_t>(h.size())});
+  I.bind_batch(b, std::move(h), stride, g.meta);
+  if (g.exec) {
+    CUDA_CHECK(cudaGraphLaunch(g.exec, I.stream));
+    return g.logits;
+  }
+  if (g.eager_runs++ == 0) return step();  // warm-up: expert tables, RoPE tables, pool sizes
+  I.pool->begin_private(&g.scratch);
+  CUDA_CHECK(cudaStreamBeginCapture(I.stream, cudaStreamCaptureModeRelaxed));
+  Tensor logits = step();
+  cudaGraph_t graph = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(I.stream, &graph);
+  I.pool->end_private();
+  CUDA_CHECK(err);
+  CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  g.logits = logits;
+  CUDA_CHECK(cudaGraphLaunch(g.exec, I.stream));
+  return logits;
+}
+
+Tensor CudaBackend::swiglu(const Tensor& gate, const Tensor& up) {
+  check_f32(gate, "swiglu");
+  NB_CHECK(gate.shape == up.shape, "swiglu shapes");
+  Tensor out = alloc(DType::kF32, gate.shape);
+  cuda::launch_swiglu(gate.data<float>(), up.data<float>(), out.data<float>(), gate.numel(), impl_->stream);
+  return out;
+}
+
+void CudaBackend::add(Tensor& x, const Tensor& y) {
+  check_f32(x, "add");
+  NB_CHECK(x.numel() == y.numel(), "add shapes");
+  cuda::launch_add(x.data<float>(), y.data<float>(), x.numel(), impl_->stream);
+}
+
+Tensor CudaBackend::gather_rows(const Tensor& x, const std::vector<int32_t>& rows) {
+  const int64_t row_bytes = x.numel() / x.dim(0) * dtype_bits(x.dtype) / 8;
+  std::vector<int64_t> shape = x.shape;
+  shape[0] = static_cast<int64_t>(rows.size());
+  Tensor out = alloc(x.dtype, shape);
+  // The logit rows of the bound batch are already on the device (and must be, inside a graph capture).
+  Tensor d_rows;
+  const int32_t* rows_ptr = impl_->d_logit_rows;
+  if (rows != impl_->h_logit_rows || !rows_ptr) {
+    d_rows = impl_->upload_i32(rows);
+    rows_ptr = d_rows.data<int32_t>();
+  }
+  cuda::launch_gather_rows(x.data<uint8_t>(), rows_ptr, static_cast<int64_t>(rows.size()), row_bytes,
+                           out.data<uint8_t>(), impl_->stream);
+  return out;
+}
+
+// ---- WeightFactory -------------------------------------------------------------------------------
+
+Weight CudaBackend::random_weight(WeightFormat format, int64_t n, int64_t k, float std, uint64_t seed,
+                                  const std::string& name) {
+  Weight w;
+  w.format = format;
+  w.n = n;
+  w.k = k;
+  WeightPart p;
+  p.rows = n;
+  p.name = name;
+  WKind kind = WKind::kBF16;
+  int64_t data_bytes = n * k * 2, scale_bytes = 0;
+  DType data_dtype = DType::kBF16, scale_dtype = DType::kU8;
+  std::vector<int64_t> data_shape = {n, k}, scale_shape;
+  switch (format) {
+    case WeightFormat::kBF16:
+      break;
+    case WeightFormat::kFP8E4M3:
+      kind = WKind::kFP8, data_bytes = n * k, data_dtype = DType::kU8, scale_bytes = n * 4, scale_dtype = DType::kF32;
+      scale_shape = {n};
+      break;
+    case WeightFormat::kMXFP4:
+      kind = WKind::kMXFP4, data_bytes = n * k / 2, data_dtype = DType::kU8, scale_bytes = n * k / 32;
+      data_shape = {n, k / 2}, scale_shape = {n, k / 32};
+      break;
+    case WeightFormat::kNVFP4:
+      kind = WKind::kNVFP4, data_bytes = n * k / 2, data_dtype = DType::kU8, scale_bytes = n * k / 16;
+      scale_dtype = DType::kF8_E4M3, data_shape = {n, k / 2}, scale_shape = {n, k / 16};
+      p.global_scale = 1.0f / 448.0f;
+      break;
+  }
+  auto* data = static_cast<uint8_t*>(impl_->owned_alloc(data_bytes));
+  auto* scales = scale_bytes ? static_cast<uint8_t*>(impl_->owned_alloc(scale_bytes)) : nullptr;
+  cuda::launch_random_weight(kind, n, k, std, seed, data, scales, impl_->stream);
+  p.data = TensorView{data, data_dtype, data_shape, Device::kCuda};
+  if (scales) p.scales = TensorView{scales, scale_dtype, scale_shape, Device::kCuda};
+  w.parts.push_back(std::move(p));
+  return w;
+}
+
+Tensor CudaBackend::random_floats(const std::vector<int64_t>& shape, float mean, float std, uint64_t seed) {
+  Tensor t = alloc(DType::kF32, shape);
+  cuda::launch_random_floats(t.data<float>(), t.numel(), mean, std, seed, impl_->stream);
+  return t;
+}
+
+Result<Weight> CudaBackend::requantize(const Weight& w, WeightFormat format) {
+  if (format == WeightFormat::kBF16) return w;
+  const DevWeight src = impl_->dev_weight(w);
+  const int64_t n = w.n, k = w.k;
+  Weight out;
+  out.format = format;
+  out.n = n;
+  out.k = k;
+  WeightPart p;
+  p.rows = n;
+  p.name = w.parts[0].name;
+  float global = 1.0f;
+  WKind kind = WKind::kFP8;
+  if (format == WeightFormat::kMXFP4 && k % 32 != 0) return error(p.name + ": MXFP4 needs k % 32 == 0");
+  if (format == WeightFormat::kNVFP4) {
+    if (k % 16 != 0) return error(p.name + ": NVFP4 needs k % 16 == 0");
+    Tensor amax = alloc(DType::kF32, {1});
+    cuda::launch_amax(src, amax.data<float>(), impl_->stream);
+    const float a = to_host(amax)[0];
+    global = fmt::nvfp4_global_scale(a);
+    kind = WKind::kNVFP4;
+  } else if (format == WeightFormat::kMXFP4) {
+    kind = WKind::kMXFP4;
+  }
+  const bool fp4 = kind != WKind::kFP8;
+  const int64_t data_bytes = fp4 ? n * k / 2 : n * k;
+  const int64_t scale_bytes = kind == WKind::kFP8 ? n * 4 : n * k / (kind == WKind::kNVFP4 ? 16 : 32);
+  auto* data = static_cast<uint8_t*>(impl_->owned_alloc(data_bytes));
+  auto* scales = static_cast<uint8_t*>(impl_->owned_alloc(scale_bytes));
+  cuda::launch_quantize(src, kind, global, data, scales, impl_->stream);
+  p.data = TensorView{data, DType::kU8, {n, fp4 ? k / 2 : k}, Device::kCuda};
+  p.scales = TensorView{scales, kind == WKind::kFP8 ? DType::kF32 : kind == WKind::kNVFP4 ? DType::kF8_E4M3 : DType::kU8,
+                        kind == WKind::kFP8 ? std::vector<int64_t>{n} : std::vector<int64_t>{n, scale_bytes / n},
+                        Device::kCuda};
+  p.global_scale = global;
+  p.convention = fmt::GlobalScale::kMultiply;
+  out.parts.push_back(std::move(p));
+  NB_RETURN_IF_ERROR(synchronize());
+  return out;
+}
+
+}  // namespace nb

@@ -1,0 +1,90 @@
+// The CUDA backend: every Backend op on one GPU, on one stream, with kernels from src/kernels/.
+// Activations are fp32 (the same numbers as the CPU reference up to summation order; decode is bound by
+// weight bytes, so wider activations cost little); the KV cache is BF16, FP8 E4M3 or fp32. Weights are
+// read where the loader put them: checkpoint tensors are copied to the device once (upload_checkpoint)
+// and host views into the checkpoint are translated to their device copies; re-quantized and random
+// weights are device buffers owned here. Activation memory comes from a caching pool, never a
+// cudaMalloc per op. This header needs no CUDA headers, so host code (model.cc) can include it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/safetensors.h"
+#include "model/weight_factory.h"
+
+namespace nb {
+
+struct CudaBackendOptions {
+  int device = 0;
+  DType kv_cache_dtype = DType::kBF16;  // kBF16, kF8_E4M3 or kF32
+  bool poison = false;                  // tests: fill every new activation buffer with NaN bytes
+};
+
+struct CudaLoadStats {
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+
+class CudaBackend final : public Backend, public WeightFactory {
+ public:
+  // Errors: no usable GPU, a GPU this binary was not built for, an unsupported KV dtype.
+  static Result<std::unique_ptr<CudaBackend>> create(const CudaBackendOptions& options);
+  ~CudaBackend() override;
+  std::string name() const override;
+
+  // Copies every tensor of the checkpoint to the device in large asynchronous copies; weight views into
+  // the checkpoint then resolve to the copies. Errors: out of device memory.
+  Result<CudaLoadStats> upload_checkpoint(const Checkpoint& ckpt);
+  // The same for any host byte ranges (tests build weights in host memory).
+  Result<CudaLoadStats> upload_views(const std::vector<TensorView>& views);
+  // Waits for all queued work; returns the first asynchronous CUDA error as a Status.
+  Status synchronize();
+  void* stream() const;  // cudaStream_t, for benchmarks and graphs
+
+  Tensor alloc(DType dtype, std::vector<int64_t> shape) override;
+  Tensor upload(const TensorView& host) override;
+  std::vector<float> to_host(const Tensor& t) override;
+  std::unique_ptr<KvCache> new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) override;
+
+  Tensor embedding(const Weight& table, const BatchInfo& b) override;
+  Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
+  Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) override;
+  void rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) override;
+  void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) override;
+  Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
+                   const AttentionParams& p) override;
+  Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
+  Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
+                     const GluParams& glu) override;
+  Tensor swiglu(const Tensor& gate, const Tensor& up) override;
+  void add(Tensor& x, const Tensor& y) override;
+  Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
+
+  // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
+  // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine.
+  Tensor moe_fc1(const Tensor& x, const Routes& routes, const MoeExperts& experts, const GluParams& glu);
+  Tensor moe_fc2(const Tensor& act, const Routes& routes, const MoeExperts& experts);
+
+  // Runs `step` (which enqueues one forward pass over `b` and returns its logits) as a CUDA graph, one per
+  // (batch shape, cache): the first call for a shape runs eagerly (builds lazily made tables), the second
+  // captures, later calls upload the new token metadata into the captured buffers and replay. Scratch
+  // memory used inside a graph belongs to that graph. Meant for decode steps (a few tokens).
+  Tensor run_graphed(const BatchInfo& b, const KvCache& cache, const std::function<Tensor()>& step);
+
+  Weight random_weight(WeightFormat format, int64_t n, int64_t k, float std, uint64_t seed,
+                       const std::string& name) override;
+  Tensor random_floats(const std::vector<int64_t>& shape, float mean, float std, uint64_t seed) override;
+  Result<Weight> requantize(const Weight& w, WeightFormat format) override;
+
+  struct Impl;
+
+ private:
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nb

@@ -1,0 +1,41 @@
+// Paged-KV-cache attention: the KV write after RoPE, and attention with per-head sinks and a sliding
+// window, split over the context (each split a partial softmax, then one combine), for decode and prefill.
+// Cache element types: fp32, BF16 or FP8 E4M3 (KvKind).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace nb::cuda {
+
+// Token metadata on the device. Token t of sequence seq_of[t] sits at positions[t]; its keys live in
+// blocks tables[seq_of[t] * table_stride + p / kKvBlock].
+struct DevBatch {
+  const int32_t* positions = nullptr;  // [n_tokens]
+  const int32_t* seq_of = nullptr;     // [n_tokens]
+  const int32_t* tables = nullptr;     // [n_seqs, table_stride]
+  int32_t table_stride = 0;
+  int64_t n_tokens = 0;
+};
+
+// cache [n_blocks, 16, n_kv_heads, head_dim] of `kind`; k, v [n_tokens, n_kv_heads, head_dim] fp32.
+void launch_kv_write(KvKind kind, void* k_cache, void* v_cache, const float* k, const float* v, const DevBatch& b,
+                     int n_kv_heads, int head_dim, cudaStream_t s);
+
+struct AttnShape {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 1.0f;
+  int window = 0;                 // > 0: keys (p - window, p]
+  const float* sinks = nullptr;   // [n_heads] or null
+  int n_splits = 1;               // context splits per (token, head)
+};
+// Scratch floats the launch needs for `n_tokens` tokens.
+int64_t attention_workspace_floats(int64_t n_tokens, const AttnShape& a);
+// out [n_tokens, n_heads, head_dim] fp32; q the same shape.
+void launch_attention(KvKind kind, const float* q, const void* k_cache, const void* v_cache, const DevBatch& b,
+                      const AttnShape& a, float* workspace, float* out, cudaStream_t s);
+
+}  // namespace nb::cuda

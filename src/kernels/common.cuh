@@ -1,0 +1,137 @@
+// What every kernel family shares: the device-side weight descriptor (DevWeight, built by the backend
+// from a model Weight whose bytes are on the device), exact software decoding of its elements, warp
+// reductions and the KV-cache element codecs. Activations are fp32 everywhere (see cuda_backend.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "formats/blocks.h"
+
+namespace nb::cuda {
+
+// Storage kinds a kernel can read. Dense weights keep their checkpoint dtype.
+enum class WKind : uint8_t { kBF16, kF16, kF32, kFP8, kMXFP4, kNVFP4 };
+
+// One checkpoint tensor's rows of a weight (see model/weight.h WeightPart), device pointers.
+struct DevPart {
+  const uint8_t* data = nullptr;    // dense [rows, k] elements; FP8 [rows, k]; FP4 [rows, k/2] codes
+  const uint8_t* scales = nullptr;  // MXFP4 [rows, k/32] E8M0; NVFP4 [rows, k/16] UE4M3; FP8 [rows] F32
+  float global = 1.0f;              // NVFP4 global scale, in the part's own convention
+  int32_t rows = 0;
+  bool divide = false;  // NVFP4 compressed-tensors: value = e2m1 * ue4m3 / global
+};
+
+inline constexpr int kMaxParts = 4;
+
+// A weight [n, k] on the device; passed to kernels by value (or read from global for expert tables).
+struct DevWeight {
+  WKind kind = WKind::kBF16;
+  int32_t n = 0, k = 0;
+  int32_t n_parts = 0;
+  bool vec_ok = false;  // every row starts 16-byte aligned and k fills whole 16-byte chunks
+  DevPart part[kMaxParts];
+};
+
+// Which part holds `row`, and the row inside it.
+__device__ __forceinline__ const DevPart& find_part(const DevWeight& w, int& row) {
+  int p = 0;
+  while (p + 1 < w.n_parts && row >= w.part[p].rows) row -= w.part[p++].rows;
+  return w.part[p];
+}
+
+__device__ __forceinline__ float nvfp4_factor(const DevPart& p, uint8_t scale) {
+  return fmt::nvfp4_block_factor(scale, p.global, p.divide ? fmt::GlobalScale::kDivide : fmt::GlobalScale::kMultiply);
+}
+
+// Element (row, j) of w decoded to fp32 exactly, through formats/ codecs. The slow path: embeddings,
+// unaligned weights and re-quantization read it; GEMV kernels decode 16-byte chunks instead.
+__device__ __forceinline__ float weight_at(const DevWeight& w, int row, int j) {
+  const DevPart& p = find_part(w, row);
+  const int64_t k = w.k;
+  switch (w.kind) {
+    case WKind::kBF16:
+      return fmt::bf16_to_float(reinterpret_cast<const uint16_t*>(p.data)[row * k + j]);
+    case WKind::kF16:
+      return __half2float(reinterpret_cast<const __half*>(p.data)[row * k + j]);
+    case WKind::kF32:
+      return reinterpret_cast<const float*>(p.data)[row * k + j];
+    case WKind::kFP8:
+      return fmt::e4m3_to_float(p.data[row * k + j]) * reinterpret_cast<const float*>(p.scales)[row];
+    case WKind::kMXFP4: {
+      const uint8_t b = p.data[row * (k / 2) + j / 2];
+      return fmt::e2m1_to_float(j & 1 ? fmt::e2m1_high(b) : fmt::e2m1_low(b)) *
+             fmt::e8m0_to_float(p.scales[row * (k / 32) + j / 32]);
+    }
+    case WKind::kNVFP4: {
+      const uint8_t b = p.data[row * (k / 2) + j / 2];
+      return fmt::e2m1_to_float(j & 1 ? fmt::e2m1_high(b) : fmt::e2m1_low(b)) *
+             nvfp4_factor(p, p.scales[row * (k / 16) + j / 16]);
+    }
+  }
+  return 0.0f;
+}
+
+// Eight E2M1 codes (one little-endian word, element i in nibble i) to fp32, in software: each code's
+// 3 magnitude bits go to an fp16's exponent/mantissa (bits 9..11) and its sign to bit 15, which makes
+// the fp16 exactly e2m1 * 2^-14 (code 1 lands on the fp16 subnormal 2^-15). Callers multiply 2^14 back
+// into the block factor. Output order: out[i] = element i.
+__device__ __forceinline__ void half2_bits_to_float2(uint32_t h, float& lo, float& hi) {
+  // Straight register conversions (a reinterpret through memory can land in local memory).
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+}
+
+__device__ __forceinline__ void e2m1x8_scaled(uint32_t w, float (&out)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Nibbles i and i + 4 (elements i and i + 4) into the low and high halves.
+    const uint32_t s = w >> (4 * i);
+    const uint32_t h = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);
+    half2_bits_to_float2(h, out[i], out[i + 4]);
+  }
+}
+inline constexpr float kE2m1Unscale = 16384.0f;  // 2^14, undoes e2m1x8_scaled's factor
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// KV-cache element codecs: fp32 (exact), BF16 (round to nearest even) and FP8 E4M3 (satfinite, scale 1).
+enum class KvKind : uint8_t { kF32, kBF16, kFP8 };
+
+template <KvKind K>
+struct KvElem;
+template <>
+struct KvElem<KvKind::kF32> {
+  using T = float;
+  __device__ static T enc(float x) { return x; }
+  __device__ static float dec(T v) { return v; }
+};
+template <>
+struct KvElem<KvKind::kBF16> {
+  using T = uint16_t;
+  __device__ static T enc(float x) { return fmt::float_to_bf16(x); }
+  __device__ static float dec(T v) { return fmt::bf16_to_float(v); }
+};
+template <>
+struct KvElem<KvKind::kFP8> {
+  using T = uint8_t;
+  __device__ static T enc(float x) { return fmt::float_to_e4m3(x); }
+  __device__ static float dec(T v) { return fmt::e4m3_to_float(v); }
+};
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+}  // namespace nb::cuda

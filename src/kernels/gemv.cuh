@@ -1,0 +1,38 @@
+// Decode GEMV / small-M GEMM for every weight format (BF16/F16/F32, FP8 per-channel, MXFP4, NVFP4),
+// plus the MoE expert projections that pick their weight per (token, choice) on the device.
+// Weights stream once with 16-byte loads and are decoded in registers in software; activations are fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace nb::cuda {
+
+// y[t, :] = x[t, :] @ w^T (+ bias) for t < m. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
+void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s);
+
+enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
+
+// All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.
+struct ExpertTable {
+  const DevWeight* fc1 = nullptr;  // [n_experts] of [2 d_expert, d_model]
+  const DevWeight* fc2 = nullptr;  // [n_experts] of [d_model, d_expert]
+  WKind kind = WKind::kMXFP4;
+  int n_experts = 0, d_expert = 0, d_model = 0;
+  const float* fc1_bias = nullptr;  // [n_experts, 2 d_expert] or null
+  const float* fc2_bias = nullptr;  // [n_experts, d_model] or null
+};
+
+// act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch
+// for all selected experts, SwiGLU (plain or gpt-oss clamped) fused in the epilogue.
+void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
+                    Glu glu, float limit, float* act, cudaStream_t s);
+// y[t] = sum_i weights[t, i] * (fc2_e(act[t * top_k + i]) + bias_e): all choices in one launch, summed
+// in choice order inside one warp (deterministic).
+void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
+                    const float* act, float* y, cudaStream_t s);
+
+}  // namespace nb::cuda

@@ -1,0 +1,414 @@
+// Every CudaBackend op against the CPU reference backend, on fresh random inputs (seed printed), with
+// every new GPU buffer poisoned with NaN bytes so an unwritten output fails. Weights are decoded exactly
+// by both backends, so the bound is fp32 summation: |gpu - cpu| <= k * 2^-23 * sum|w x| (+ a tiny
+// absolute term); KV caches in BF16/FP8 add their rounding (2^-8 / 2^-3 relative to the values' scale).
+// Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "model/rope.h"
+
+namespace nb {
+namespace {
+
+std::mt19937& rng() {
+  static std::mt19937 g = [] {
+    const unsigned seed = std::random_device{}();
+    std::printf("cuda_backend_test seed %u\n", seed);
+    return std::mt19937(seed);
+  }();
+  return g;
+}
+
+std::vector<float> randn(int64_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng());
+  return v;
+}
+
+// Host storage for weights built in a test; views point into it.
+struct HostBytes {
+  std::vector<std::vector<uint8_t>> blocks;
+  TensorView add(std::vector<uint8_t> bytes, DType dt, std::vector<int64_t> shape) {
+    blocks.push_back(std::move(bytes));
+    return TensorView{blocks.back().data(), dt, std::move(shape)};
+  }
+};
+
+// A random weight [n, k] in `format`, n split into `parts` parts (NVFP4 parts get their own global scale
+// and alternate conventions).
+Weight make_weight(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int parts = 1, DType dense = DType::kBF16) {
+  Weight w;
+  w.format = format;
+  w.n = n;
+  w.k = k;
+  for (int pi = 0; pi < parts; ++pi) {
+    WeightPart p;
+    p.rows = n / parts + (pi == parts - 1 ? n % parts : 0);
+    const int64_t rows = p.rows;
+    const std::vector<float> x = randn(rows * k, 0.05f);
+    switch (format) {
+      case WeightFormat::kBF16: {
+        const int bytes = dtype_bits(dense) / 8;
+        std::vector<uint8_t> b(rows * k * bytes);
+        for (int64_t i = 0; i < rows * k; ++i) {
+          if (dense == DType::kF32) std::memcpy(&b[i * 4], &x[i], 4);
+          else {
+            const uint16_t h = fmt::float_to_bf16(x[i]);
+            std::memcpy(&b[i * 2], &h, 2);
+          }
+        }
+        p.data = hb.add(std::move(b), dense, {rows, k});
+        break;
+      }
+      case WeightFormat::kFP8E4M3: {
+        std::vector<uint8_t> codes(rows * k), scales(rows * 4);
+        for (int64_t i = 0; i < rows * k; ++i) codes[i] = fmt::float_to_e4m3(x[i] * 448 / 0.2f);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float s = 0.2f / 448 * (1 + 0.1f * (r % 3));
+          std::memcpy(&scales[r * 4], &s, 4);
+        }
+        p.data = hb.add(std::move(codes), DType::kU8, {rows, k});
+        p.scales = hb.add(std::move(scales), DType::kF32, {rows});
+        break;
+      }
+      case WeightFormat::kMXFP4: {
+        std::vector<uint8_t> codes(rows * k / 2), scales(rows * k / 32);
+        for (int64_t b = 0; b < rows * k / 32; ++b) scales[b] = fmt::mxfp4_encode_block(&x[b * 32], &codes[b * 16]);
+        p.data = hb.add(std::move(codes), DType::kU8, {rows, k / 2});
+        p.scales = hb.add(std::move(scales), DType::kU8, {rows, k / 32});
+        break;
+      }
+      case WeightFormat::kNVFP4: {
+        std::vector<uint8_t> codes(rows * k / 2), scales(rows * k / 16);
+        const float s2 = fmt::nvfp4_global_scale(0.25f * (pi + 1));
+        for (int64_t b = 0; b < rows * k / 16; ++b) scales[b] = fmt::nvfp4_encode_block(&x[b * 16], s2, &codes[b * 8]);
+        p.data = hb.add(std::move(codes), DType::kU8, {rows, k / 2});
+        p.scales = hb.add(std::move(scales), DType::kF8_E4M3, {rows, k / 16});
+        p.convention = pi % 2 ? fmt::GlobalScale::kDivide : fmt::GlobalScale::kMultiply;
+        p.global_scale = pi % 2 ? 1.0f / s2 : s2;
+        break;
+      }
+    }
+    p.name = "w" + std::to_string(pi);
+    w.parts.push_back(std::move(p));
+  }
+  return w;
+}
+
+// A copy of a device weight whose bytes live in host memory (for the CPU reference), kept in `keep`.
+Weight host_copy(const Weight& w, std::vector<std::vector<uint8_t>>& keep) {
+  Weight host = w;
+  for (WeightPart& p : host.parts) {
+    for (TensorView* v : {&p.data, &p.scales}) {
+      if (!v->data) continue;
+      keep.emplace_back(v->nbytes());
+      cudaMemcpy(keep.back().data(), v->data, v->nbytes(), cudaMemcpyDeviceToHost);
+      v->data = keep.back().data();
+      v->device = Device::kCpu;
+    }
+  }
+  return host;
+}
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CudaBackendOptions o;
+    o.poison = true;
+    o.kv_cache_dtype = DType::kF32;
+    auto g = CudaBackend::create(o);
+    if (!g.ok()) GTEST_SKIP() << g.status().message();
+    gpu_ = std::move(g.value());
+  }
+  Tensor cpu_t(const std::vector<float>& v, std::vector<int64_t> shape) {
+    Tensor t = cpu_.alloc(DType::kF32, std::move(shape));
+    std::copy(v.begin(), v.end(), t.data<float>());
+    return t;
+  }
+  Tensor gpu_t(const std::vector<float>& v, std::vector<int64_t> shape) {
+    return gpu_->upload(TensorView{v.data(), DType::kF32, std::move(shape)});
+  }
+  void upload(const Weight& w) {
+    std::vector<TensorView> views;
+    for (const WeightPart& p : w.parts) views.push_back(p.data), views.push_back(p.scales);
+    const auto st = gpu_->upload_views(views);
+    NB_CHECK(st.ok(), "upload_views: " + st.status().message());
+  }
+
+ public:
+  // Compares elementwise with |a - b| <= tol[i] (or a scalar tol); prints the first bad index.
+  static void expect_close(const std::vector<float>& want, const std::vector<float>& got,
+                           const std::vector<float>& tol, const std::string& what) {
+    ASSERT_EQ(want.size(), got.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float t = tol.size() == 1 ? tol[0] : tol[i];
+      if (!(std::abs(want[i] - got[i]) <= t)) {
+        ADD_FAILURE() << what << ": first mismatch at " << i << ": cpu " << want[i] << " gpu " << got[i] << " tol " << t;
+        return;
+      }
+    }
+  }
+
+ protected:
+  CpuBackend cpu_{2};
+  std::unique_ptr<CudaBackend> gpu_;
+  HostBytes hb_;
+};
+
+// Summation bound for x [m, k] @ w^T: k * 2^-23 * sum_j |w_ij x_j| + 1e-6.
+std::vector<float> linear_tol(const std::vector<float>& x, const Weight& w, int64_t m) {
+  std::vector<float> tol(m * w.n), row(w.k);
+  for (int64_t j = 0; j < w.n; ++j) {
+    dequantize_row(w, j, row.data());
+    for (int64_t t = 0; t < m; ++t) {
+      double s = 0;
+      for (int64_t i = 0; i < w.k; ++i) s += std::abs(row[i] * x[t * w.k + i]);
+      tol[t * w.n + j] = static_cast<float>(w.k * 1.2e-7 * s + 1e-6);
+    }
+  }
+  return tol;
+}
+
+TEST_F(CudaOps, LinearEveryFormat) {
+  struct Case {
+    WeightFormat f;
+    int64_t n, k;
+    int parts;
+    DType dense;
+  };
+  const Case cases[] = {
+      {WeightFormat::kBF16, 67, 128, 1, DType::kBF16},  {WeightFormat::kBF16, 33, 72, 2, DType::kBF16},
+      {WeightFormat::kBF16, 9, 36, 1, DType::kF32},     {WeightFormat::kFP8E4M3, 40, 96, 1, DType::kBF16},
+      {WeightFormat::kFP8E4M3, 12, 40, 1, DType::kBF16}, {WeightFormat::kMXFP4, 70, 2880, 1, DType::kBF16},
+      {WeightFormat::kMXFP4, 21, 96, 1, DType::kBF16},  {WeightFormat::kNVFP4, 64, 256, 2, DType::kBF16},
+      {WeightFormat::kNVFP4, 19, 48, 3, DType::kBF16},
+  };
+  for (const Case& c : cases) {
+    const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, c.dense);
+    upload(w);
+    const std::vector<float> bias = randn(c.n);
+    for (int64_t m : {1, 3, 9}) {
+      const std::vector<float> x = randn(m * c.k);
+      Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
+      const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {m, c.k}), w, &cb));
+      const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {m, c.k}), w, &gb));
+      std::vector<float> tol = linear_tol(x, w, m);
+      for (float& t : tol) t += 1e-6f;
+      expect_close(want, got, tol,
+                   std::string(weight_format_name(c.f)) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) +
+                       " parts " + std::to_string(c.parts) + " m " + std::to_string(m));
+    }
+  }
+}
+
+TEST_F(CudaOps, EmbeddingNormRopeElementwise) {
+  const Weight table = make_weight(hb_, WeightFormat::kBF16, 50, 64);
+  upload(table);
+  BatchInfo b;
+  b.tokens = {3, 49, 0, 7};
+  b.positions = {0, 1, 2, 900};
+  b.seq_of = {0, 0, 0, 0};
+  b.seqs = {SeqInfo{0, 4, 0, {0}}};
+  expect_close(cpu_.to_host(cpu_.embedding(table, b)), gpu_->to_host(gpu_->embedding(table, b)), {0.0f}, "embedding");
+
+  const std::vector<float> x = randn(4 * 3 * 64, 3.0f), w = randn(64);
+  expect_close(cpu_.to_host(cpu_.rms_norm(cpu_t(x, {4, 3, 64}), cpu_t(w, {64}), 1e-5f)),
+               gpu_->to_host(gpu_->rms_norm(gpu_t(x, {4, 3, 64}), gpu_t(w, {64}), 1e-5f)), {2e-5f}, "rms_norm");
+
+  RopeConfig rc;
+  rc.type = RopeType::kYarn;
+  rc.theta = 150000, rc.factor = 32, rc.truncate = false, rc.original_max_position_embeddings = 4096;
+  const RopeTable rope = make_rope_table(rc, 64);
+  Tensor cx = cpu_t(x, {4, 3, 64}), gx = gpu_t(x, {4, 3, 64});
+  cpu_.rope(cx, b, rope);
+  gpu_->rope(gx, b, rope);
+  expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {1e-4f}, "rope");
+
+  const std::vector<float> y = randn(x.size());
+  expect_close(cpu_.to_host(cpu_.swiglu(cpu_t(x, {768}), cpu_t(y, {768}))),
+               gpu_->to_host(gpu_->swiglu(gpu_t(x, {768}), gpu_t(y, {768}))), {1e-5f}, "swiglu");
+  Tensor ca = cpu_t(x, {768}), ga = gpu_t(x, {768});
+  cpu_.add(ca, cpu_t(y, {768}));
+  gpu_->add(ga, gpu_t(y, {768}));
+  expect_close(cpu_.to_host(ca), gpu_->to_host(ga), {0.0f}, "add");
+  expect_close(cpu_.to_host(cpu_.gather_rows(cpu_t(x, {12, 64}), {11, 0, 5})),
+               gpu_->to_host(gpu_->gather_rows(gpu_t(x, {12, 64}), {11, 0, 5})), {0.0f}, "gather_rows");
+}
+
+// Two sequences over scrambled blocks, long enough to split the context; sinks and a sliding window.
+void run_attention(CudaOps* t, CpuBackend& cpu, CudaBackend& gpu, int window, bool sinks, float tol,
+                   const std::function<Tensor(const std::vector<float>&, std::vector<int64_t>)>& cpu_t,
+                   const std::function<Tensor(const std::vector<float>&, std::vector<int64_t>)>& gpu_t) {
+  (void)t;
+  const int nh = 8, nkv = 2, hd = 64, n_blocks = 80;
+  BatchInfo b;
+  // Sequence 0: 700 new tokens at positions 0..699 written first (prefill), then attention on all of them
+  // is too slow on the CPU; instead seq 0 decodes 2 tokens after 698 cached, seq 1 prefills 37.
+  std::vector<int32_t> t0(44), t1(3);
+  for (int i = 0; i < 44; ++i) t0[i] = (i * 37) % n_blocks;
+  for (int i = 0; i < 3; ++i) t1[i] = 44 + i * 5;
+  const int past0 = 698, new0 = 2, new1 = 37;
+  BatchInfo fill;  // writes seq 0's history
+  for (int p = 0; p < past0; ++p) fill.tokens.push_back(0), fill.positions.push_back(p), fill.seq_of.push_back(0);
+  fill.seqs = {SeqInfo{0, past0, 0, t0}};
+  const std::vector<float> hk = randn(past0 * nkv * hd), hv = randn(past0 * nkv * hd);
+  auto cc = cpu.new_kv_cache(1, n_blocks, nkv, hd);
+  auto gc = gpu.new_kv_cache(1, n_blocks, nkv, hd);
+  cpu.kv_write(*cc, 0, cpu_t(hk, {past0, nkv, hd}), cpu_t(hv, {past0, nkv, hd}), fill);
+  gpu.kv_write(*gc, 0, gpu_t(hk, {past0, nkv, hd}), gpu_t(hv, {past0, nkv, hd}), fill);
+  for (int i = 0; i < new0; ++i) b.tokens.push_back(0), b.positions.push_back(past0 + i), b.seq_of.push_back(0);
+  for (int i = 0; i < new1; ++i) b.tokens.push_back(0), b.positions.push_back(i), b.seq_of.push_back(1);
+  b.seqs = {SeqInfo{0, new0, past0, t0}, SeqInfo{new0, new1, 0, t1}};
+  const int64_t T = new0 + new1;
+  const std::vector<float> k = randn(T * nkv * hd), v = randn(T * nkv * hd), q = randn(T * nh * hd), s = randn(nh);
+  cpu.kv_write(*cc, 0, cpu_t(k, {T, nkv, hd}), cpu_t(v, {T, nkv, hd}), b);
+  gpu.kv_write(*gc, 0, gpu_t(k, {T, nkv, hd}), gpu_t(v, {T, nkv, hd}), b);
+  Tensor cs = cpu_t(s, {nh}), gs = gpu_t(s, {nh});
+  const AttentionParams cp{0.125f, window, sinks ? &cs : nullptr}, gp{0.125f, window, sinks ? &gs : nullptr};
+  const std::vector<float> want = cpu.to_host(cpu.attention(cpu_t(q, {T, nh, hd}), *cc, 0, b, cp));
+  const std::vector<float> got = gpu.to_host(gpu.attention(gpu_t(q, {T, nh, hd}), *gc, 0, b, gp));
+  CudaOps::expect_close(want, got, {tol},
+                        "attention window " + std::to_string(window) + (sinks ? " sinks" : "") + " kv " +
+                            std::string(dtype_name(gc->k[0].dtype)));
+}
+
+TEST_F(CudaOps, Attention) {
+  auto ct = [&](const std::vector<float>& v, std::vector<int64_t> s) { return cpu_t(v, std::move(s)); };
+  auto gt = [&](const std::vector<float>& v, std::vector<int64_t> s) { return gpu_t(v, std::move(s)); };
+  for (int window : {0, 128})
+    for (bool sinks : {false, true}) run_attention(this, cpu_, *gpu_, window, sinks, 2e-5f, ct, gt);
+  // Rounded caches: outputs are convex combinations of V (|v| ~ 1..4), logits shift by ~|q||k| * rounding.
+  for (DType dt : {DType::kBF16, DType::kF8_E4M3}) {
+    CudaBackendOptions o;
+    o.poison = true;
+    o.kv_cache_dtype = dt;
+    auto g = CudaBackend::create(o);
+    ASSERT_TRUE(g.ok());
+    auto gt2 = [&](const std::vector<float>& v, std::vector<int64_t> s) {
+      return (*g)->upload(TensorView{v.data(), DType::kF32, std::move(s)});
+    };
+    run_attention(this, cpu_, **g, 128, true, dt == DType::kBF16 ? 0.05f : 0.6f, ct, gt2);
+  }
+}
+
+TEST_F(CudaOps, MoeRouteAndExperts) {
+  const int E = 8, top_k = 3, d_model = 64, d_ff = 96;
+  for (int variant = 0; variant < 3; ++variant) {
+    const int64_t T = variant == 2 ? 5 : 1 + variant;
+    const std::vector<float> logits = randn(T * E);
+    const RouterKind kind = variant == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
+    const Routes cr = cpu_.moe_route(cpu_t(logits, {T, E}), top_k, kind, variant == 1);
+    const Routes gr = gpu_->moe_route(gpu_t(logits, {T, E}), top_k, kind, variant == 1);
+    const std::vector<float> gw = gpu_->to_host(gr.weights);
+    expect_close(cpu_.to_host(cr.weights), gw, {1e-6f}, "route weights");
+    std::vector<int32_t> gids(T * top_k);
+    cudaMemcpy(gids.data(), gr.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost);
+    for (int64_t i = 0; i < T * top_k; ++i) ASSERT_EQ(cr.ids.data<int32_t>()[i], gids[i]) << "route id " << i;
+
+    MoeExperts ex;
+    ex.n_experts = E;
+    ex.d_expert = d_ff;
+    ex.layout = variant == 0 ? GluLayout::kInterleaved : GluLayout::kHalves;
+    const WeightFormat f = variant == 0 ? WeightFormat::kMXFP4 : variant == 1 ? WeightFormat::kNVFP4 : WeightFormat::kBF16;
+    for (int e = 0; e < E; ++e) {
+      ex.fc1.push_back(make_weight(hb_, f, 2 * d_ff, d_model, f == WeightFormat::kNVFP4 ? 2 : 1));
+      ex.fc2.push_back(make_weight(hb_, f, d_model, d_ff));
+      upload(ex.fc1.back());
+      upload(ex.fc2.back());
+    }
+    MoeExperts gex = ex;
+    if (variant == 0) {
+      const std::vector<float> b1 = randn(E * 2 * d_ff), b2 = randn(E * d_model);
+      ex.fc1_bias = cpu_t(b1, {E, 2 * d_ff}), ex.fc2_bias = cpu_t(b2, {E, d_model});
+      gex.fc1_bias = gpu_t(b1, {E, 2 * d_ff}), gex.fc2_bias = gpu_t(b2, {E, d_model});
+    }
+    const GluParams glu = variant == 0 ? GluParams{Activation::kGptOssClamped, 7.0f} : GluParams{};
+    const std::vector<float> x = randn(T * d_model, 4.0f);
+    const std::vector<float> want = cpu_.to_host(cpu_.moe_experts(cpu_t(x, {T, d_model}), cr, ex, glu));
+    const std::vector<float> got = gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), gr, gex, glu));
+    expect_close(want, got, {2e-4f}, "moe_experts variant " + std::to_string(variant));
+  }
+}
+
+TEST_F(CudaOps, RequantizeMatchesHostEncoders) {
+  const Weight w = make_weight(hb_, WeightFormat::kBF16, 24, 128);
+  upload(w);
+  std::vector<float> row(128);
+  for (WeightFormat f : {WeightFormat::kFP8E4M3, WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
+    auto q = gpu_->requantize(w, f);
+    ASSERT_TRUE(q.ok()) << q.status().message();
+    const WeightPart& p = q->parts[0];
+    std::vector<uint8_t> codes(p.data.nbytes()), scales(p.scales.nbytes());
+    cudaMemcpy(codes.data(), p.data.data, codes.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(scales.data(), p.scales.data, scales.size(), cudaMemcpyDeviceToHost);
+    float amax = 0;
+    for (int64_t r = 0; r < 24; ++r) {
+      dequantize_row(w, r, row.data());
+      for (float v : row) amax = std::max(amax, std::abs(v));
+    }
+    for (int64_t r = 0; r < 24; ++r) {
+      dequantize_row(w, r, row.data());
+      if (f == WeightFormat::kMXFP4) {
+        for (int b = 0; b < 4; ++b) {
+          uint8_t c[16];
+          ASSERT_EQ(fmt::mxfp4_encode_block(&row[32 * b], c), scales[r * 4 + b]);
+          ASSERT_EQ(0, std::memcmp(c, &codes[r * 64 + b * 16], 16)) << "mxfp4 row " << r;
+        }
+      } else if (f == WeightFormat::kNVFP4) {
+        ASSERT_EQ(p.global_scale, fmt::nvfp4_global_scale(amax));
+        for (int b = 0; b < 8; ++b) {
+          uint8_t c[8];
+          ASSERT_EQ(fmt::nvfp4_encode_block(&row[16 * b], p.global_scale, c), scales[r * 8 + b]);
+          ASSERT_EQ(0, std::memcmp(c, &codes[r * 64 + b * 8], 8)) << "nvfp4 row " << r;
+        }
+      } else {
+        float m = 0, s;
+        for (float v : row) m = std::max(m, std::abs(v));
+        std::memcpy(&s, &scales[r * 4], 4);
+        ASSERT_EQ(s, m / 448.0f);
+        for (int i = 0; i < 128; ++i) ASSERT_EQ(codes[r * 128 + i], fmt::float_to_e4m3(row[i] / s)) << r << " " << i;
+      }
+    }
+    // The re-quantized weight runs through linear like any other.
+    std::vector<std::vector<uint8_t>> keep;
+    const Weight hq = host_copy(*q, keep);
+    const std::vector<float> x = randn(128);
+    const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {1, 128}), hq, nullptr));
+    const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {1, 128}), *q, nullptr));
+    std::vector<float> tol = linear_tol(x, hq, 1);
+    expect_close(want, got, tol, std::string("requantized ") + weight_format_name(f));
+  }
+}
+
+TEST_F(CudaOps, RandomWeightsHaveTheRequestedSpread) {
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kFP8E4M3, WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
+    const Weight w = gpu_->random_weight(f, 64, 256, 0.02f, 7, "r");
+    ASSERT_TRUE(gpu_->synchronize().ok());
+    std::vector<std::vector<uint8_t>> keep;
+    const Weight host = host_copy(w, keep);
+    std::vector<float> row(256);
+    double ss = 0;
+    for (int r = 0; r < 64; ++r) {
+      dequantize_row(host, r, row.data());
+      for (float v : row) {
+        ASSERT_TRUE(std::isfinite(v));
+        ss += v * v;
+      }
+    }
+    const double rms = std::sqrt(ss / (64 * 256));
+    EXPECT_GT(rms, 0.005) << weight_format_name(f);
+    EXPECT_LT(rms, 0.08) << weight_format_name(f);
+  }
+}
+
+}  // namespace
+}  // namespace nb
