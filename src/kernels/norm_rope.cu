@@ -1,5 +1,5 @@
-// Row-wise and element-wise kernels; see norm_rope.cuh. One warp per row for norms (rows are short:
-// d_model or head_dim), one thread per element elsewhere.
+// Row-wise and element-wise kernels; see norm_rope.cuh. Norms: a block per long row, a warp per short
+// row; one thread per element elsewhere.
 #include "kernels/norm_rope.cuh"
 
 #include "backend/cuda/cuda_check.h"
@@ -18,8 +18,54 @@ __global__ void embedding_kernel(const __grid_constant__ DevWeight table, const 
     out[t * table.k + j] = weight_at(table, row, j);
 }
 
-__global__ void rms_norm_kernel(float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ w,
-                                int64_t rows, int d, float eps, float* __restrict__ out) {
+// One block per row: rows are d_model (or head_dim for the q/k norms) long, and a single warp walking a
+// 2880-wide row is bound by load latency, not bandwidth. float4 loads when the row allows.
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(float* __restrict__ x, const float* __restrict__ residual,
+                                                            const float* __restrict__ w, int d, float eps,
+                                                            float* __restrict__ out) {
+  __shared__ float partial[kRowsPerBlock];
+  const int64_t r = blockIdx.x;
+  float* xr = x + r * d;
+  float ss = 0.0f;
+  const bool vec = d % 4 == 0;
+  if (vec) {
+    for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
+      float4 v = reinterpret_cast<const float4*>(xr)[i];
+      if (residual) {
+        const float4 y = reinterpret_cast<const float4*>(residual + r * d)[i];
+        v.x += y.x, v.y += y.y, v.z += y.z, v.w += y.w;
+        reinterpret_cast<float4*>(xr)[i] = v;
+      }
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      float v = xr[i];
+      if (residual) xr[i] = v = v + residual[r * d + i];
+      ss += v * v;
+    }
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < kRowsPerBlock; ++i) total += partial[i];
+  const float inv = rsqrtf(total / static_cast<float>(d) + eps);
+  if (vec) {
+    for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
+      const float4 v = reinterpret_cast<const float4*>(xr)[i], g = reinterpret_cast<const float4*>(w)[i];
+      reinterpret_cast<float4*>(out + r * d)[i] = make_float4(g.x * (v.x * inv), g.y * (v.y * inv), g.z * (v.z * inv),
+                                                              g.w * (v.w * inv));
+    }
+  } else {
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = w[i] * (xr[i] * inv);
+  }
+}
+
+// Short rows (the q/k norms over head_dim, many rows): one warp per row.
+__global__ void rms_norm_rows_kernel(float* __restrict__ x, const float* __restrict__ residual,
+                                     const float* __restrict__ w, int64_t rows, int d, float eps,
+                                     float* __restrict__ out) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -88,7 +134,10 @@ void launch_embedding(const DevWeight& table, const int32_t* tokens, int64_t n_t
 void launch_rms_norm(float* x, const float* residual, const float* w, int64_t rows, int d, float eps, float* out,
                      cudaStream_t s) {
   NB_CHECK(rows >= 1 && d >= 1, "rms_norm: shapes");
-  rms_norm_kernel<<<ceil_div(rows, kRowsPerBlock), kThreads, 0, s>>>(x, residual, w, rows, d, eps, out);
+  if (d >= 512 && rows <= 65535)
+    rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, residual, w, d, eps, out);
+  else
+    rms_norm_rows_kernel<<<ceil_div(rows, kRowsPerBlock), kThreads, 0, s>>>(x, residual, w, rows, d, eps, out);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -494,10 +494,11 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   a.scale = p.scale;
   a.window = p.window;
   a.sinks = p.sinks ? p.sinks->data<float>() : nullptr;
-  // Split the context so that heads x tokens x splits fills the GPU twice. The count depends on the
-  // shapes only, not on the context length, so a captured decode graph stays right as the context grows
-  // (splits beyond the context are empty and cost one idle block each).
-  const int64_t want = (2 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
+  // Split the context so that heads x tokens x splits gives ~8 blocks per SM: a warp walks its keys one
+  // after another (each a dependent load + warp sum), so decode wants many short walks. The count depends
+  // on the shapes only, not on the context length, so a captured decode graph stays right as the context
+  // grows (splits beyond the context are empty and cost one idle block each).
+  const int64_t want = (8 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
   const cuda::DevBatch& db = impl_->batch(b);
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
