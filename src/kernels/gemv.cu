@@ -141,11 +141,12 @@ __device__ void stage_x(const float* __restrict__ x, int k, int elems, float4* s
 // acc[r][t] += lane's share of w[rows[r], :] . xs[t][:]. Rows must be valid. m <= M tokens are live.
 template <WKind K, int M, int R>
 __device__ __forceinline__ void warp_dot(const DevWeight& w, const int (&rows)[R], const XView (&xs)[M], int m,
-                                         float (&acc)[R][M]) {
-  const int lane = threadIdx.x & 31;
+                                         float (&acc)[R][M], int k_part = 0, int k_parts = 1) {
+  // Split-K: k_parts warps share the rows; warp k_part takes every k_parts-th group of 32 chunks.
+  const int lane = (threadIdx.x & 31) + 32 * k_part, stride = 32 * k_parts;
   const int k = w.k;
   if (!w.vec_ok) {
-    for (int j = lane; j < k; j += 32) {
+    for (int j = lane; j < k; j += stride) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float wv = weight_at(w, rows[r], j);
@@ -168,17 +169,17 @@ __device__ __forceinline__ void warp_dot(const DevWeight& w, const int (&rows)[R
     base[r] = part[r]->data + static_cast<int64_t>(prow[r]) * k * kBytesPerElem2<K> / 2;
   }
   // kUnroll chunks per row per iteration: R * kUnroll 16-byte loads in flight per lane before any math.
-  for (int c0 = lane; c0 < n_chunks; c0 += 32 * kUnroll) {
+  for (int c0 = lane; c0 < n_chunks; c0 += stride * kUnroll) {
     uint4 raw[kUnroll][R];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        raw[u][r] = c0 + 32 * u < n_chunks ? __ldg(reinterpret_cast<const uint4*>(base[r]) + c0 + 32 * u)
-                                           : make_uint4(0, 0, 0, 0);
+        raw[u][r] = c0 + stride * u < n_chunks ? __ldg(reinterpret_cast<const uint4*>(base[r]) + c0 + stride * u)
+                                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + 32 * u;
+      const int c = c0 + stride * u;
       if (c >= n_chunks) break;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -248,6 +249,55 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
           y[static_cast<int64_t>(t0 + t) * w.n + row0 + r] = v + (bias ? bias[row0 + r] : 0.0f);
       }
     }
+  }
+}
+
+// Split-K linear for weights with few rows (k and v projections, routers) at M = 1: kSplitK warps share
+// each row pair, their partial sums meet in shared memory and are added in a fixed order. Rows alone
+// would leave most of the GPU idle.
+constexpr int kSplitK = 4;
+static_assert(kWarps % kSplitK == 0);
+
+template <WKind K>
+__global__ void __launch_bounds__(kThreads) linear_split_kernel(const __grid_constant__ DevWeight w,
+                                                                const float* __restrict__ x,
+                                                                const float* __restrict__ bias,
+                                                                float* __restrict__ y, bool staged) {
+  extern __shared__ float4 smem[];
+  __shared__ float red[kWarps][kRows];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % kSplitK;
+  constexpr int kE = Chunk<K>::kElems, kPerBlock = kWarps / kSplitK;
+  XView xs[1];
+  xs[0].g = x;
+  xs[0].q = kE / 4;
+  if (staged) {
+    xs[0].s = smem;
+    stage_x(x, w.k, kE, smem);
+    __syncthreads();
+  }
+  const int groups = (w.n + kPerBlock * kRows - 1) / (kPerBlock * kRows);
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {  // uniform over the block: it synchronizes
+    const int row0 = (g * kPerBlock + warp / kSplitK) * kRows;
+    int rows[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) rows[r] = min(row0 + r, w.n - 1);
+    float acc[kRows][1] = {};
+    warp_dot<K, 1, kRows>(w, rows, xs, 1, acc, part, kSplitK);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float v = warp_sum(acc[r][0]);
+      if (lane == 0) red[warp][r] = v;
+    }
+    __syncthreads();
+    if (part == 0 && lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float v = red[warp][r];
+        for (int q = 1; q < kSplitK; ++q) v += red[warp + q][r];
+        if (row0 + r < w.n) y[row0 + r] = v + (bias ? bias[row0 + r] : 0.0f);
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -371,7 +421,18 @@ void linear_for(const DevWeight& w, const float* x, int64_t m, const float* bias
   NB_CHECK(chunks <= 65535, "linear: too many tokens for one launch");
   if (mm == 1) {
     auto kernel = linear_kernel<K, 1>;
-    const int grid = std::min(groups, resident_blocks(kernel, staged ? smem : 0));
+    const int resident = resident_blocks(kernel, staged ? smem : 0);
+    // Few rows (under a quarter of the resident warps busy) and enough chunks for kSplitK stripes: split K.
+    if (ceil_div(w.n, kRows) * 4 < resident * kWarps && w.k / kE >= 32 * kSplitK) {
+      auto split = linear_split_kernel<K>;
+      const bool split_staged = staged && smem + 1024 <= 48 * 1024;
+      const int split_groups = ceil_div(w.n, (kWarps / kSplitK) * kRows);
+      const int grid = std::min(split_groups, resident_blocks(split, split_staged ? smem : 0));
+      split<<<grid, kThreads, split_staged ? smem : 0, s>>>(w, x, bias, y, split_staged);
+      CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+    const int grid = std::min(groups, resident);
     kernel<<<dim3(grid, 1), kThreads, staged ? smem : 0, s>>>(w, x, 1, bias, y, staged);
   } else {
     auto kernel = linear_kernel<K, 4>;

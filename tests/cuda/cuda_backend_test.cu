@@ -191,6 +191,9 @@ TEST_F(CudaOps, LinearEveryFormat) {
       {WeightFormat::kFP8E4M3, 12, 40, 1, DType::kBF16}, {WeightFormat::kMXFP4, 70, 2880, 1, DType::kBF16},
       {WeightFormat::kMXFP4, 21, 96, 1, DType::kBF16},  {WeightFormat::kNVFP4, 64, 256, 2, DType::kBF16},
       {WeightFormat::kNVFP4, 19, 48, 3, DType::kBF16},
+      // Few rows, long k: the split-K path at m = 1.
+      {WeightFormat::kBF16, 40, 2048, 1, DType::kBF16},  {WeightFormat::kFP8E4M3, 24, 4096, 1, DType::kBF16},
+      {WeightFormat::kMXFP4, 10, 4096, 1, DType::kBF16},
   };
   for (const Case& c : cases) {
     const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, c.dense);
