@@ -24,16 +24,28 @@ struct RunArgs {
 };
 int cmd_run(const RunArgs& args);
 
-// nibble eval -m DIR (--tokens-file F | --text-file F) [--json] [--device ...]
+// nibble eval -m DIR (--tokens-file F | --text-file F) [--ref-model DIR] [--seq-len N] [--json]
+//   [--dense-format F] [--kv-cache-dtype D] [--device ...]
 struct EvalArgs {
   std::string model;
   std::string tokens_file, text_file;
+  std::string ref_model;  // KL(ref || model), top-1 agreement when set
   bool json = false;
-  int chunk = 512;  // tokens per forward pass
+  int chunk = 512;    // tokens per forward pass
+  int seq_len = 0;    // > 0: independent sequences of this many tokens; 0: one sequence
+  std::string dense_format = "keep";
+  std::string kv_cache_dtype = "auto";
   std::string device = "auto";
   int threads = 0;
 };
 int cmd_eval(const EvalArgs& args);
+
+// nibble quantize -m BF16_DIR -o OUT_DIR --format mxfp4|nvfp4|fp8 [--layers experts,attn,mlp,lm_head,embed]
+struct QuantizeArgs {
+  std::string model, output, format;
+  std::string layers;  // comma-separated; empty: the format's default
+};
+int cmd_quantize(const QuantizeArgs& args);
 
 // nibble inspect -m DIR
 struct InspectArgs {

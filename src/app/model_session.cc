@@ -7,9 +7,14 @@
 namespace nb {
 
 Result<ModelSession> open_model_session(const std::string& dir, const std::string& device, int threads,
-                                        bool need_tokenizer) {
+                                        bool need_tokenizer, const std::string& dense_format,
+                                        const std::string& kv_cache_dtype) {
   ModelOptions options;
   options.n_threads = threads;
+  static const char* kDense[] = {"keep", "fp8", "mxfp4", "nvfp4"};
+  for (int i = 0; i < 4; ++i)
+    if (dense_format == kDense[i]) options.dense_format = static_cast<DenseFormat>(i);
+  if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") options.kv_cache_dtype = DType::kF8_E4M3;
   if (device == "cuda") {
     return error("--device cuda: this build runs models on the CPU backend only (the CUDA model backend is "
                  "not implemented yet); use --device cpu");
@@ -17,6 +22,8 @@ Result<ModelSession> open_model_session(const std::string& dir, const std::strin
   options.device = Device::kCpu;
   if (device == "auto") NB_LOG_INFO("device auto: using the CPU backend");
 
+  if (options.device == Device::kCpu && kv_cache_dtype != "auto")
+    return error("--kv-cache-dtype " + kv_cache_dtype + " needs the CUDA backend (the CPU backend keeps fp32)");
   ModelSession session;
   NB_ASSIGN_OR_RETURN(session.model, Model::load(dir, options));
   const bool has_tokenizer = std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json");

@@ -15,9 +15,11 @@ struct ModelSession {
   std::unique_ptr<Tokenizer> tokenizer;  // null when the directory has no tokenizer
 };
 
-// device: auto | cpu | cuda. need_tokenizer: a missing tokenizer.json is an error.
+// device: auto | cpu | cuda. need_tokenizer: a missing tokenizer.json is an error. dense_format
+// (keep|fp8|mxfp4|nvfp4) and kv_cache_dtype (auto|bf16|fp8|fp8_e4m3) need the CUDA backend.
 Result<ModelSession> open_model_session(const std::string& dir, const std::string& device, int threads,
-                                        bool need_tokenizer);
+                                        bool need_tokenizer, const std::string& dense_format = "keep",
+                                        const std::string& kv_cache_dtype = "auto");
 
 // `s` with every invalid UTF-8 sequence replaced by U+FFFD, so the terminal gets valid text even when
 // a (random or badly trained) model emits byte tokens that form no character.

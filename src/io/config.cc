@@ -23,7 +23,8 @@ using json = nlohmann::json;
 constexpr const char* kSupportedArchs = "gpt_oss, qwen3, qwen3_moe, llama";
 constexpr const char* kSupportedQuantMethods = "mxfp4, modelopt, compressed-tensors";
 constexpr const char* kSupportedModeloptAlgos = "NVFP4, W4A16_NVFP4";
-constexpr const char* kSupportedCtFormats = "nvfp4-pack-quantized";
+constexpr const char* kSupportedCtFormats = "nvfp4-pack-quantized, float-quantized";
+bool supported_ct_format(const std::string& f) { return f == "nvfp4-pack-quantized" || f == "float-quantized"; }
 constexpr const char* kSupportedRopeTypes = "default, yarn, llama3";
 constexpr int kMaxLayers = 100000;  // far above any real model; keeps per-layer vectors bounded
 
@@ -278,7 +279,14 @@ void parse_compressed_tensors(Reader& r, QuantConfig* q) {
   q->group_size = 16;
   std::string format;
   r.string("format", &format, /*required=*/true);
-  if (r.status().ok() && format != kSupportedCtFormats) {
+  // float-quantized: FP8 E4M3 weights with one F32 scale per output channel (what `nibble quantize
+  // --format fp8` writes); checked below like the NVFP4 groups, with 8 bits and strategy "channel".
+  const bool fp8 = format == "float-quantized";
+  if (fp8) {
+    q->method = QuantMethod::kCompressedTensorsFp8;
+    q->group_size = 0;
+  }
+  if (r.status().ok() && !supported_ct_format(format)) {
     r.fail(r.name("format") + " '" + format + "' is not supported (supported: " + kSupportedCtFormats + ")");
   }
   std::string status;
@@ -300,11 +308,22 @@ void parse_compressed_tensors(Reader& r, QuantConfig* q) {
     }
     Reader g(r.file(), group, gprefix);
     std::string gformat;
-    if (g.string("format", &gformat) && gformat != kSupportedCtFormats) {
+    if (g.string("format", &gformat) && gformat != format) {
       g.fail(g.name("format") + " '" + gformat + "' is not supported (supported: " + kSupportedCtFormats +
              ")");
     }
-    if (const json* w = g.object("weights")) {
+    if (const json* w = fp8 ? g.object("weights") : nullptr) {
+      Reader wr(r.file(), *w, gprefix + "weights.");
+      int bits = 0;
+      std::string type, strategy;
+      wr.integer("num_bits", &bits, true);
+      wr.string("type", &type, true);
+      wr.string("strategy", &strategy, true);
+      if (wr.status().ok() && (bits != 8 || type != "float" || strategy != "channel"))
+        wr.fail(wr.name("num_bits") + " is " + std::to_string(bits) + ", 'type' '" + type + "', 'strategy' '" +
+                strategy + "', but float-quantized loads only 8, 'float', 'channel'");
+      g.merge(wr);
+    } else if (const json* w = g.object("weights")) {
       Reader wr(r.file(), *w, gprefix + "weights.");
       int bits = 0, group_size = 0;
       std::string type;
@@ -312,8 +331,8 @@ void parse_compressed_tensors(Reader& r, QuantConfig* q) {
       wr.string("type", &type, true);
       wr.integer("group_size", &group_size, true);
       if (wr.status().ok() && (bits != 4 || type != "float")) {
-        wr.fail(wr.name("num_bits") + " is " + std::to_string(bits) + " and 'type' is '" + type + "', but " +
-                kSupportedCtFormats + " needs 4 and 'float'");
+        wr.fail(wr.name("num_bits") + " is " + std::to_string(bits) + " and 'type' is '" + type +
+                "', but nvfp4-pack-quantized needs 4 and 'float'");
       }
       if (wr.status().ok()) check_group_size(wr, "group_size", group_size, 16);
       g.merge(wr);
@@ -496,6 +515,8 @@ const char* quant_method_name(QuantMethod q) {
       return "modelopt-nvfp4";
     case QuantMethod::kCompressedTensorsNvfp4:
       return "compressed-tensors-nvfp4";
+    case QuantMethod::kCompressedTensorsFp8:
+      return "compressed-tensors-fp8";
   }
   return "unknown";
 }

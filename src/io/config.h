@@ -35,6 +35,7 @@ enum class QuantMethod {
   kModeloptNvfp4,           // ModelOpt: weight + weight_scale + weight_scale_2 (multiply)
   kCompressedTensorsNvfp4,  // compressed-tensors nvfp4-pack-quantized: weight_packed + weight_global_scale
                             // (divide)
+  kCompressedTensorsFp8,    // compressed-tensors float-quantized: weight F8_E4M3 + per-channel F32 weight_scale
 };
 const char* quant_method_name(QuantMethod q);
 

@@ -159,6 +159,15 @@ Result<Weight> WeightLoader::linear(const std::string& prefix, int64_t n, int64_
                         scalar(prefix + (ct ? ".weight_global_scale" : ".weight_scale_2")));
     part.convention = ct ? fmt::GlobalScale::kDivide : fmt::GlobalScale::kMultiply;
     format = ct ? "nvfp4 (compressed-tensors)" : "nvfp4 (modelopt)";
+  } else if (plain && plain->info->dtype == DType::kF8_E4M3) {
+    // compressed-tensors float-quantized, per channel: E4M3 codes [n, k], F32 weight_scale [n, 1].
+    NB_RETURN_IF_ERROR(check_method(prefix + ".weight", QuantMethod::kCompressedTensorsFp8));
+    w.format = WeightFormat::kFP8E4M3;
+    NB_ASSIGN_OR_RETURN(part.data, ckpt_.get(prefix + ".weight", DType::kF8_E4M3, {n, k}));
+    part.data.dtype = DType::kU8;  // WeightFormat carries the meaning; backends read bytes
+    NB_ASSIGN_OR_RETURN(part.scales, ckpt_.get(prefix + ".weight_scale", DType::kF32, {n, 1}));
+    part.scales.shape = {n};
+    format = "fp8 (compressed-tensors)";
   } else {
     w.format = WeightFormat::kBF16;
     NB_ASSIGN_OR_RETURN(part.data, get_float(prefix + ".weight", {n, k}));
@@ -236,8 +245,45 @@ Result<MoeExperts> WeightLoader::stacked_mxfp4_experts(const std::string& prefix
              n_experts * (s.n * s.k / 2 + s.n * s.k / 32));
       continue;
     }
+    if (!ckpt_.has(base + "_blocks") && ckpt_.has(base)) {
+      // Unquantized (BF16) gpt-oss checkpoints store each expert transposed, [E, k, n] (HF computes
+      // x @ W[e]); nibble's weights are [n, k], so each expert is transposed here into F32 memory the
+      // backend owns (upload), and the Weight keeps that memory alive.
+      NB_RETURN_IF_ERROR(check_method(base, QuantMethod::kNone));
+      NB_ASSIGN_OR_RETURN(TensorView t, get_float(base, {n_experts, s.k, s.n}));
+      std::vector<float> tr(static_cast<size_t>(s.n * s.k));
+      for (int e = 0; e < n_experts; ++e) {
+        Weight one;
+        one.n = s.n;
+        one.k = s.k;
+        one.parts.resize(1);
+        one.parts[0].rows = s.n;
+        one.parts[0].name = base + "[" + std::to_string(e) + "]";
+        const TensorView ex = expert_slice(t, e);
+        Weight src;  // the stored [k, n] matrix, read row by row through dequantize_row
+        src.n = s.k;
+        src.k = s.n;
+        src.parts.resize(1);
+        src.parts[0].rows = s.k;
+        src.parts[0].data = ex;
+        src.parts[0].data.shape = {s.k, s.n};
+        std::vector<float> row(static_cast<size_t>(s.n));
+        for (int64_t i = 0; i < s.k; ++i) {
+          dequantize_row(src, i, row.data());
+          for (int64_t j = 0; j < s.n; ++j) tr[j * s.k + i] = row[j];
+        }
+        Tensor dev = backend_.upload(TensorView{tr.data(), DType::kF32, {s.n, s.k}, Device::kCpu});
+        one.parts[0].data = TensorView{dev.storage.get(), DType::kF32, {s.n, s.k}, dev.device};
+        one.parts[0].owner = dev.storage;
+        s.out->push_back(std::move(one));
+      }
+      record(base, "dense " + std::string(dtype_name(t.dtype)) + " (transposed)", {n_experts, s.n, s.k},
+             n_experts * s.n * s.k, t.nbytes());
+      continue;
+    }
     if (!ckpt_.has(base + "_blocks"))
-      return error("tensor '" + base + "_blocks' not found (gpt-oss experts must be MXFP4 _blocks/_scales)");
+      return error("tensor '" + base + "_blocks' not found (gpt-oss experts must be MXFP4 _blocks/_scales or "
+                   "BF16 " + s.name + ")");
     NB_RETURN_IF_ERROR(check_method(base + "_blocks", QuantMethod::kMxfp4));
     if (s.k % fmt::kMxfp4Block != 0)
       return error("tensor '" + base + "_blocks': MXFP4 needs k % 32 == 0, k = " + std::to_string(s.k));

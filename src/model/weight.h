@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,8 @@ struct WeightPart {
   float global_scale = 1.0f;
   fmt::GlobalScale convention = fmt::GlobalScale::kMultiply;
   std::string name;  // checkpoint tensor prefix, for messages and `nibble inspect`
+  // Set when the loader made the bytes (a transposed copy) instead of viewing the checkpoint.
+  std::shared_ptr<const void> owner;
 };
 
 struct Weight {
