@@ -20,6 +20,7 @@ static_assert(kMaxHeadDim % 32 == 0);
 template <KvKind K>
 __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename KvElem<K>::T* __restrict__ vc,
                                 const float* __restrict__ k, const float* __restrict__ v, DevBatch b, int row) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= b.n_tokens * row) return;
   const int64_t t = i / row, e = i % row;
@@ -37,6 +38,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
                                                              const typename KvElem<K>::T* __restrict__ vc, DevBatch b,
                                                              AttnShape a, float* __restrict__ ml,
                                                              float* __restrict__ po) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   using E = KvElem<K>;
   const int h = blockIdx.x, split = blockIdx.z;
   const int64_t t = blockIdx.y;
@@ -99,6 +101,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
 
 __global__ void attention_combine_kernel(const float* __restrict__ ml, const float* __restrict__ po, AttnShape a,
                                          float* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t th = blockIdx.x;  // token * n_heads + head
   const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
   float m = a.sinks ? a.sinks[h] : -INFINITY;
@@ -124,10 +127,9 @@ void attention_for(const float* q, const void* kc, const void* vc, const DevBatc
   using T = typename KvElem<K>::T;
   float* ml = ws;
   float* po = ws + b.n_tokens * a.n_heads * a.n_splits * 2;
-  attention_kernel<K><<<dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s>>>(
-      q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po);
+  launch_pdl(attention_kernel<K>, dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po);
   CUDA_CHECK(cudaGetLastError());
-  attention_combine_kernel<<<b.n_tokens * a.n_heads, 64, 0, s>>>(ml, po, a, out);
+  launch_pdl(attention_combine_kernel, b.n_tokens * a.n_heads, 64, 0, s, ml, po, a, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -139,14 +141,14 @@ void launch_kv_write(KvKind kind, void* kc, void* vc, const float* k, const floa
   const unsigned blocks = static_cast<unsigned>((b.n_tokens * row + 255) / 256);
   switch (kind) {
     case KvKind::kF32:
-      kv_write_kernel<KvKind::kF32><<<blocks, 256, 0, s>>>(static_cast<float*>(kc), static_cast<float*>(vc), k, v, b, row);
+      launch_pdl(kv_write_kernel<KvKind::kF32>, blocks, 256, 0, s, static_cast<float*>(kc), static_cast<float*>(vc), k, v, b, row);
       break;
     case KvKind::kBF16:
-      kv_write_kernel<KvKind::kBF16><<<blocks, 256, 0, s>>>(static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc), k, v,
+      launch_pdl(kv_write_kernel<KvKind::kBF16>, blocks, 256, 0, s, static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc), k, v,
                                                             b, row);
       break;
     case KvKind::kFP8:
-      kv_write_kernel<KvKind::kFP8><<<blocks, 256, 0, s>>>(static_cast<uint8_t*>(kc), static_cast<uint8_t*>(vc), k, v,
+      launch_pdl(kv_write_kernel<KvKind::kFP8>, blocks, 256, 0, s, static_cast<uint8_t*>(kc), static_cast<uint8_t*>(vc), k, v,
                                                            b, row);
       break;
   }

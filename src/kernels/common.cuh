@@ -8,7 +8,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
+#include "backend/cuda/cuda_check.h"
 #include "formats/blocks.h"
 
 namespace nb::cuda {
@@ -133,5 +135,35 @@ struct KvElem<KvKind::kFP8> {
 };
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Programmatic dependent launch (sm_90 and later): a kernel started with launch_pdl may be scheduled
+// while the previous kernel on the stream is still finishing, which hides most of the launch gap between
+// the ~17 small dependent kernels of a decode layer. Every such kernel calls pdl_wait() before it touches
+// global memory: it returns once the previous grid has completed and its writes are visible, so the
+// stream order is kept exactly. Inside CUDA graphs the dependency becomes a programmatic edge.
+// It then lets the next kernel launch at once (its blocks only start once all of ours have, so they
+// cannot crowd ours out, and they wait in their own pdl_wait()).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+template <class... KernelArgs, class... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 }  // namespace nb::cuda

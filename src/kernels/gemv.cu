@@ -216,6 +216,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
                                                           const float* __restrict__ x, int m_total,
                                                           const float* __restrict__ bias, float* __restrict__ y,
                                                           bool staged) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t0 = blockIdx.y * M, m = min(M, m_total - t0);
@@ -263,6 +264,7 @@ __global__ void __launch_bounds__(kThreads) linear_split_kernel(const __grid_con
                                                                 const float* __restrict__ x,
                                                                 const float* __restrict__ bias,
                                                                 float* __restrict__ y, bool staged) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float4 smem[];
   __shared__ float red[kWarps][kRows];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % kSplitK;
@@ -309,6 +311,7 @@ __global__ void __launch_bounds__(kThreads) moe_fc1_kernel(ExpertTable tab, cons
                                                            int n_pairs, int top_k, const float* __restrict__ x,
                                                            Glu glu, float limit, float* __restrict__ act,
                                                            bool staged) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int d = tab.d_expert;
@@ -357,6 +360,7 @@ __global__ void __launch_bounds__(kThreads) moe_fc2_kernel(ExpertTable tab, cons
                                                            const float* __restrict__ weights, int n_tokens,
                                                            int top_k, const float* __restrict__ act,
                                                            float* __restrict__ y, bool staged) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = tab.d_model;
@@ -428,16 +432,16 @@ void linear_for(const DevWeight& w, const float* x, int64_t m, const float* bias
       const bool split_staged = staged && smem + 1024 <= 48 * 1024;
       const int split_groups = ceil_div(w.n, (kWarps / kSplitK) * kRows);
       const int grid = std::min(split_groups, resident_blocks(split, split_staged ? smem : 0));
-      split<<<grid, kThreads, split_staged ? smem : 0, s>>>(w, x, bias, y, split_staged);
+      launch_pdl(split, grid, kThreads, split_staged ? smem : 0, s, w, x, bias, y, split_staged);
       CUDA_CHECK(cudaGetLastError());
       return;
     }
     const int grid = std::min(groups, resident);
-    kernel<<<dim3(grid, 1), kThreads, staged ? smem : 0, s>>>(w, x, 1, bias, y, staged);
+    launch_pdl(kernel, dim3(grid, 1), kThreads, staged ? smem : 0, s, w, x, 1, bias, y, staged);
   } else {
     auto kernel = linear_kernel<K, 4>;
     const int grid = std::min(groups, resident_blocks(kernel, staged ? smem : 0));
-    kernel<<<dim3(grid, static_cast<unsigned>(chunks)), kThreads, staged ? smem : 0, s>>>(w, x, static_cast<int>(m),
+    launch_pdl(kernel, dim3(grid, static_cast<unsigned>(chunks)), kThreads, staged ? smem : 0, s, w, x, static_cast<int>(m),
                                                                                           bias, y, staged);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -454,7 +458,7 @@ void moe_fc1_for(const ExpertTable& t, const int32_t* ids, int n_pairs, int top_
   const int pairs = std::min(n_pairs, 65535);
   const int per_pair = std::max(1, resident_blocks(kernel, staged ? smem : 0) / pairs);
   const dim3 grid(std::min(ceil_div(t.d_expert, kWarps), per_pair), pairs);
-  kernel<<<grid, kThreads, staged ? smem : 0, s>>>(t, ids, n_pairs, top_k, x, glu, limit, act, staged);
+  launch_pdl(kernel, grid, kThreads, staged ? smem : 0, s, t, ids, n_pairs, top_k, x, glu, limit, act, staged);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -468,7 +472,7 @@ void moe_fc2_for(const ExpertTable& t, const int32_t* ids, const float* weights,
   const int tokens = std::min(n_tokens, 65535);
   const int per_token = std::max(1, resident_blocks(kernel, staged ? smem : 0) / tokens);
   const dim3 grid(std::min(ceil_div(t.d_model, kWarps * kFc2Rows), per_token), tokens);
-  kernel<<<grid, kThreads, staged ? smem : 0, s>>>(t, ids, weights, n_tokens, top_k, act, y, staged);
+  launch_pdl(kernel, grid, kThreads, staged ? smem : 0, s, t, ids, weights, n_tokens, top_k, act, y, staged);
   CUDA_CHECK(cudaGetLastError());
 }
 

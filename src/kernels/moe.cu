@@ -12,6 +12,7 @@ constexpr int kMaxTopK = 32;
 
 __global__ void route_kernel(const float* __restrict__ logits, int n_experts, int top_k, bool softmax_first,
                              bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float s[];  // [n_experts]
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x;
@@ -68,8 +69,7 @@ void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int 
                       bool renormalize, int32_t* ids, float* weights, cudaStream_t s) {
   NB_CHECK(top_k >= 1 && top_k <= kMaxTopK && top_k <= n_experts, "moe_route: top_k out of range");
   NB_CHECK(n_tokens >= 1 && n_experts <= 8192, "moe_route: shapes");
-  route_kernel<<<static_cast<unsigned>(n_tokens), 32, n_experts * sizeof(float), s>>>(
-      logits, n_experts, top_k, softmax_first, renormalize, ids, weights);
+  launch_pdl(route_kernel, static_cast<unsigned>(n_tokens), 32, n_experts * sizeof(float), s, logits, n_experts, top_k, softmax_first, renormalize, ids, weights);
   CUDA_CHECK(cudaGetLastError());
 }
 

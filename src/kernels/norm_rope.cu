@@ -12,6 +12,7 @@ constexpr int kRowsPerBlock = kThreads / 32;
 
 __global__ void embedding_kernel(const __grid_constant__ DevWeight table, const int32_t* __restrict__ tokens, int64_t n_tokens,
                                  float* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t t = blockIdx.y;
   const int row = tokens[t];
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < table.k; j += gridDim.x * blockDim.x)
@@ -23,6 +24,7 @@ __global__ void embedding_kernel(const __grid_constant__ DevWeight table, const 
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(float* __restrict__ x, const float* __restrict__ residual,
                                                             const float* __restrict__ w, int d, float eps,
                                                             float* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   __shared__ float partial[kRowsPerBlock];
   const int64_t r = blockIdx.x;
   float* xr = x + r * d;
@@ -66,6 +68,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(float* __restrict__ 
 __global__ void rms_norm_rows_kernel(float* __restrict__ x, const float* __restrict__ residual,
                                      const float* __restrict__ w, int64_t rows, int d, float eps,
                                      float* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -83,6 +86,7 @@ __global__ void rms_norm_rows_kernel(float* __restrict__ x, const float* __restr
 __global__ void rope_kernel(float* __restrict__ x, const int32_t* __restrict__ positions,
                             const float* __restrict__ inv_freq, float scale, int64_t n_tokens, int n_heads,
                             int head_dim) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int half = head_dim / 2;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // over [t, h, half]
   if (i >= n_tokens * n_heads * half) return;
@@ -102,17 +106,20 @@ __global__ void rope_kernel(float* __restrict__ x, const int32_t* __restrict__ p
 
 __global__ void swiglu_kernel(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o,
                               int64_t n) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] += y[i];
 }
 
 __global__ void gather_kernel(const uint8_t* __restrict__ x, const int32_t* __restrict__ rows, int64_t row_bytes,
                               uint8_t* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t r = blockIdx.y;
   const uint8_t* src = x + rows[r] * row_bytes;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < row_bytes;
@@ -126,7 +133,7 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1)
 
 void launch_embedding(const DevWeight& table, const int32_t* tokens, int64_t n_tokens, float* out, cudaStream_t s) {
   NB_CHECK(n_tokens >= 1 && n_tokens <= 65535, "embedding: token count");
-  embedding_kernel<<<dim3(std::min(ceil_div(table.k, kThreads), 64), n_tokens), kThreads, 0, s>>>(table, tokens,
+  launch_pdl(embedding_kernel, dim3(std::min(ceil_div(table.k, kThreads), 64), n_tokens), kThreads, 0, s, table, tokens,
                                                                                                    n_tokens, out);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -135,34 +142,33 @@ void launch_rms_norm(float* x, const float* residual, const float* w, int64_t ro
                      cudaStream_t s) {
   NB_CHECK(rows >= 1 && d >= 1, "rms_norm: shapes");
   if (d >= 512 && rows <= 65535)
-    rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, s>>>(x, residual, w, d, eps, out);
+    launch_pdl(rms_norm_kernel, static_cast<unsigned>(rows), kThreads, 0, s, x, residual, w, d, eps, out);
   else
-    rms_norm_rows_kernel<<<ceil_div(rows, kRowsPerBlock), kThreads, 0, s>>>(x, residual, w, rows, d, eps, out);
+    launch_pdl(rms_norm_rows_kernel, ceil_div(rows, kRowsPerBlock), kThreads, 0, s, x, residual, w, rows, d, eps, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_rope(float* x, const int32_t* positions, const float* inv_freq, float attention_scale, int64_t n_tokens,
                  int n_heads, int head_dim, cudaStream_t s) {
   NB_CHECK(head_dim % 2 == 0 && n_tokens >= 1, "rope: shapes");
-  rope_kernel<<<blocks_for(n_tokens * n_heads * (head_dim / 2)), kThreads, 0, s>>>(
-      x, positions, inv_freq, attention_scale, n_tokens, n_heads, head_dim);
+  launch_pdl(rope_kernel, blocks_for(n_tokens * n_heads * (head_dim / 2)), kThreads, 0, s, x, positions, inv_freq, attention_scale, n_tokens, n_heads, head_dim);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t s) {
-  swiglu_kernel<<<blocks_for(n), kThreads, 0, s>>>(gate, up, out, n);
+  launch_pdl(swiglu_kernel, blocks_for(n), kThreads, 0, s, gate, up, out, n);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_add(float* x, const float* y, int64_t n, cudaStream_t s) {
-  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n);
+  launch_pdl(add_kernel, blocks_for(n), kThreads, 0, s, x, y, n);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_gather_rows(const uint8_t* x, const int32_t* rows, int64_t n_rows, int64_t row_bytes, uint8_t* out,
                         cudaStream_t s) {
   NB_CHECK(n_rows >= 1 && n_rows <= 65535, "gather_rows: row count");
-  gather_kernel<<<dim3(std::min<int64_t>(blocks_for(row_bytes), 64), n_rows), kThreads, 0, s>>>(x, rows, row_bytes,
+  launch_pdl(gather_kernel, dim3(std::min<int64_t>(blocks_for(row_bytes), 64), n_rows), kThreads, 0, s, x, rows, row_bytes,
                                                                                                   out);
   CUDA_CHECK(cudaGetLastError());
 }
