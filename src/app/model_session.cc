@@ -3,6 +3,9 @@
 #include <filesystem>
 
 #include "base/log.h"
+#if NIBBLE_HAVE_CUDA
+#include "backend/cuda/device.h"
+#endif
 
 namespace nb {
 
@@ -11,16 +14,27 @@ Result<ModelSession> open_model_session(const std::string& dir, const std::strin
                                         const std::string& kv_cache_dtype) {
   ModelOptions options;
   options.n_threads = threads;
+  options.device = Device::kCpu;
   static const char* kDense[] = {"keep", "fp8", "mxfp4", "nvfp4"};
   for (int i = 0; i < 4; ++i)
     if (dense_format == kDense[i]) options.dense_format = static_cast<DenseFormat>(i);
   if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") options.kv_cache_dtype = DType::kF8_E4M3;
+#if NIBBLE_HAVE_CUDA
   if (device == "cuda") {
-    return error("--device cuda: this build runs models on the CPU backend only (the CUDA model backend is "
-                 "not implemented yet); use --device cpu");
+    options.device = Device::kCuda;  // errors (no GPU, unsupported GPU) come from Model::load
+  } else if (device == "auto") {
+    Result<CudaDeviceInfo> gpu = cuda_device_info(0);
+    if (gpu.ok()) {
+      options.device = Device::kCuda;
+      NB_LOG_INFO("device auto: using the CUDA backend on %s", describe(gpu.value()).c_str());
+    } else {
+      NB_LOG_INFO("device auto: no usable GPU (%s); using the CPU backend", gpu.status().message().c_str());
+    }
   }
-  options.device = Device::kCpu;
-  if (device == "auto") NB_LOG_INFO("device auto: using the CPU backend");
+#else
+  if (device == "cuda") return error("--device cuda: this build has no CUDA backend (built without nvcc)");
+  if (device == "auto") NB_LOG_INFO("device auto: built without CUDA; using the CPU backend");
+#endif
 
   if (options.device == Device::kCpu && kv_cache_dtype != "auto")
     return error("--kv-cache-dtype " + kv_cache_dtype + " needs the CUDA backend (the CPU backend keeps fp32)");
