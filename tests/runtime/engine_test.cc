@@ -120,6 +120,8 @@ TEST(Engine, CancelFreesBlocksAndQueueIsBounded) {
   ASSERT_EQ(engine.submit({greedy(8, 2, 400), greedy(8, 3, 400)}, &s), SubmitError::kNone);
   EXPECT_EQ(engine.submit({greedy(8, 4, 4)}, &s), SubmitError::kQueueFull);
   EXPECT_EQ(engine.stats().rejected_queue_full, 1);
+  // Stats are published after each engine step, so the first token can arrive just before them.
+  for (int i = 0; i < 200 && engine.stats().n_blocks_used == 0; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_GT(engine.stats().n_blocks_used, 0);
   for (auto& st : s) engine.cancel(*st);
   for (auto& st : s) EXPECT_EQ(drain(*st).second.finish, FinishReason::kAbort);
