@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 
+#include "app/bench_args.h"
 #include "app/commands.h"
 #include "app/model_commands.h"
 #include "app/serve_args.h"
@@ -62,30 +63,10 @@ int main(int argc, char** argv) {
   auto* tf = eval_cmd->add_option("--tokens-file", eval.tokens_file, "File of token ids separated by whitespace");
   auto* xf = eval_cmd->add_option("--text-file", eval.text_file, "Text file, tokenized with the model's tokenizer");
   tf->excludes(xf);
-  eval_cmd->add_option("--ref-model", eval.ref_model,
-                       "Reference model directory (same vocabulary): adds KL(ref || model) and top-1 agreement");
-  eval_cmd->add_flag("--json", eval.json,
-                     "Print one JSON object {n_tokens, nll, mean_nll, ppl[, kl_mean, kl_p99, top1_agree]}");
+  eval_cmd->add_flag("--json", eval.json, "Print one JSON object {n_tokens, nll, mean_nll, ppl}");
   eval_cmd->add_option("--chunk", eval.chunk, "Tokens per forward pass")->check(CLI::PositiveNumber)
       ->capture_default_str();
-  eval_cmd->add_option("--seq-len", eval.seq_len, "Split the tokens into independent sequences of N (0: one)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  eval_cmd->add_option("--dense-format", eval.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
-      ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
-  eval_cmd->add_option("--kv-cache-dtype", eval.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
-      ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
   add_device(eval_cmd, &eval.device, &eval.threads);
-
-  nb::QuantizeArgs quant;
-  CLI::App* quant_cmd = app.add_subcommand("quantize", "Write a BF16 checkpoint as MXFP4, NVFP4 or FP8");
-  quant_cmd->add_option("-m,--model", quant.model, "BF16 model directory")->required();
-  quant_cmd->add_option("-o,--output", quant.output, "Output directory")->required();
-  quant_cmd->add_option("--format", quant.format,
-                        "mxfp4 (gpt-oss experts), nvfp4 (ModelOpt) or fp8 (compressed-tensors, per channel)")
-      ->required()->check(CLI::IsMember({"mxfp4", "nvfp4", "fp8"}));
-  quant_cmd->add_option("--layers", quant.layers,
-                        "Layer classes, comma-separated: experts, attn, mlp, lm_head, embed (default: gpt-oss "
-                        "experts; others attn,mlp,experts)");
 
 
   nb::TokenizeArgs tok;
@@ -135,6 +116,40 @@ int main(int argc, char** argv) {
   serve_cmd->add_flag("--test-forced-output", serve.test_forced_output,
                       "Tests only: honour the request field nibble_forced_output")->group("");
 
+  nb::BenchArgs bench;
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmark an OpenAI-compatible server (llama-benchy 0.2.1 metrics)");
+  bench_cmd->add_option("--base-url", bench.base_url, "Server URL including /v1, e.g. http://127.0.0.1:8000/v1")
+      ->required();
+  bench_cmd->add_option("--api-key", bench.api_key, "Bearer token")->capture_default_str();
+  bench_cmd->add_option("--model", bench.model, "Model name: the row label, and the default for the two below")
+      ->required();
+  bench_cmd->add_option("--served-model-name", bench.served_model_name, "Model name sent in requests");
+  bench_cmd->add_option("--tokenizer", bench.tokenizer, "tokenizer.json or model directory (local only)");
+  bench_cmd->add_option("--pp", bench.pp, "Prompt token counts")->check(CLI::PositiveNumber)->capture_default_str();
+  bench_cmd->add_option("--tg", bench.tg, "Generated token counts")->check(CLI::PositiveNumber)->capture_default_str();
+  bench_cmd->add_option("--depth", bench.depth, "Context depths (system-message tokens)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  bench_cmd->add_option("--runs", bench.runs, "Runs per test")->check(CLI::PositiveNumber)->capture_default_str();
+  bench_cmd->add_option("--concurrency", bench.concurrency, "Concurrency levels (parallel requests per run)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  bench_cmd->add_option("--latency-mode", bench.latency_mode, "Latency subtracted from ttfr for est_ppt")
+      ->check(CLI::IsMember({"api", "generation", "none"}))->capture_default_str();
+  bench_cmd->add_flag("--enable-prefix-caching", bench.enable_prefix_caching,
+                      "With depth > 0: load the context first (ctx_pp/ctx_tg rows), then time the prompt alone");
+  bench_cmd->add_flag("--no-cache", bench.no_cache, "Unique prompts and cache_prompt=false");
+  bench_cmd->add_flag("--no-warmup", bench.no_warmup, "Skip the warm-up (still done when adapting the prompt)");
+  bench_cmd->add_flag("!--no-adapt-prompt", bench.adapt_prompt, "Do not subtract the chat template's tokens");
+  bench_cmd->add_option("--text-file", bench.text_file,
+                        "Prompt corpus (default: the bundled data/tinyshakespeare.txt; llama-benchy's default, "
+                        "Gutenberg #1661, is not downloaded)");
+  bench_cmd->add_option("--format", bench.format, "Result format")->check(CLI::IsMember({"md", "json", "csv"}))
+      ->capture_default_str();
+  bench_cmd->add_option("--save-result", bench.save_result, "Write the results to this file instead of stdout");
+  bench_cmd->add_option("--plot", bench.plot, "SVG of throughput and latency against concurrency");
+  bench_cmd->add_option("--save-requests", bench.save_requests, "JSONL of every request's raw timings");
+  bench_cmd->add_option("--timeout", bench.timeout, "Seconds per request before it counts as failed")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -164,9 +179,9 @@ int main(int argc, char** argv) {
     }
     return nb::cmd_eval(eval);
   }
-  if (app.got_subcommand(quant_cmd)) return nb::cmd_quantize(quant);
   if (app.got_subcommand(tok_cmd)) return nb::cmd_tokenize(tok);
   if (app.got_subcommand(inspect_cmd)) return nb::cmd_inspect(inspect);
   if (app.got_subcommand(serve_cmd)) return nb::cmd_serve(serve);
+  if (app.got_subcommand(bench_cmd)) return nb::cmd_bench(bench);
   return 2;
 }
