@@ -63,10 +63,30 @@ int main(int argc, char** argv) {
   auto* tf = eval_cmd->add_option("--tokens-file", eval.tokens_file, "File of token ids separated by whitespace");
   auto* xf = eval_cmd->add_option("--text-file", eval.text_file, "Text file, tokenized with the model's tokenizer");
   tf->excludes(xf);
-  eval_cmd->add_flag("--json", eval.json, "Print one JSON object {n_tokens, nll, mean_nll, ppl}");
+  eval_cmd->add_option("--ref-model", eval.ref_model,
+                       "Reference model directory (same vocabulary): adds KL(ref || model) and top-1 agreement");
+  eval_cmd->add_flag("--json", eval.json,
+                     "Print one JSON object {n_tokens, nll, mean_nll, ppl[, kl_mean, kl_p99, top1_agree]}");
   eval_cmd->add_option("--chunk", eval.chunk, "Tokens per forward pass")->check(CLI::PositiveNumber)
       ->capture_default_str();
+  eval_cmd->add_option("--seq-len", eval.seq_len, "Split the tokens into independent sequences of N (0: one)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  eval_cmd->add_option("--dense-format", eval.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
+      ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
+  eval_cmd->add_option("--kv-cache-dtype", eval.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
   add_device(eval_cmd, &eval.device, &eval.threads);
+
+  nb::QuantizeArgs quant;
+  CLI::App* quant_cmd = app.add_subcommand("quantize", "Write a BF16 checkpoint as MXFP4, NVFP4 or FP8");
+  quant_cmd->add_option("-m,--model", quant.model, "BF16 model directory")->required();
+  quant_cmd->add_option("-o,--output", quant.output, "Output directory")->required();
+  quant_cmd->add_option("--format", quant.format,
+                        "mxfp4 (gpt-oss experts), nvfp4 (ModelOpt) or fp8 (compressed-tensors, per channel)")
+      ->required()->check(CLI::IsMember({"mxfp4", "nvfp4", "fp8"}));
+  quant_cmd->add_option("--layers", quant.layers,
+                        "Layer classes, comma-separated: experts, attn, mlp, lm_head, embed (default: gpt-oss "
+                        "experts; others attn,mlp,experts)");
 
 
   nb::TokenizeArgs tok;
@@ -179,6 +199,7 @@ int main(int argc, char** argv) {
     }
     return nb::cmd_eval(eval);
   }
+  if (app.got_subcommand(quant_cmd)) return nb::cmd_quantize(quant);
   if (app.got_subcommand(tok_cmd)) return nb::cmd_tokenize(tok);
   if (app.got_subcommand(inspect_cmd)) return nb::cmd_inspect(inspect);
   if (app.got_subcommand(serve_cmd)) return nb::cmd_serve(serve);
