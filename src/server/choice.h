@@ -36,6 +36,9 @@ class Choice {
   Choice(const ParsedRequest& request, const Tokenizer& tokenizer);
 
   ChoiceDelta add(const GeneratedToken& token);
+  // Whether the engine has produced this choice's first token (set by the response writer's pump).
+  bool started() const { return started_; }
+  void mark_started() { started_ = true; }
   // The engine's end (or an abort); flushes held-back text.
   ChoiceDelta finish(const StreamUpdate& end);
   // Ends early because a stop string was found (the engine request is then cancelled).
@@ -64,6 +67,7 @@ class Choice {
   std::vector<ToolCallOut> tools_;
   std::vector<GeneratedToken> all_tokens_;
   int32_t n_generated_ = 0;
+  bool started_ = false;
 };
 
 // OpenAI logprobs objects. Chat: {"content": [{token, logprob, bytes, top_logprobs}]}.

@@ -99,6 +99,11 @@ bool pump(Job& job, const std::function<bool(size_t, const ChoiceDelta&, bool)>&
       Choice& c = *job.choices[i];
       if (c.finished()) continue;
       StreamUpdate u = job.streams[i]->wait(i == first ? 20ms : 0ms);
+      // The first token exists: an empty delta lets the streaming writer open the choice now.
+      if (!u.tokens.empty() && !c.started()) {
+        c.mark_started();
+        if (!on_delta(i, ChoiceDelta{}, false)) return false;
+      }
       for (const GeneratedToken& t : u.tokens) {
         ChoiceDelta d = c.add(t);
         if (!d.empty() && !on_delta(i, d, false)) return false;
@@ -335,18 +340,20 @@ void Server::stream_response(const std::shared_ptr<Job>& job, httplib::Response&
           if (job->req.continuous_usage) j["usage"] = job->usage();
           return send(j);
         };
-        if (chat) {
-          for (size_t i = 0; i < job->choices.size(); ++i) {
+        // A chat choice opens with a role chunk, sent once its first token exists (not at once), so a
+        // client's time to first response measures prefill, as with vLLM (benchmarking.md §2.14).
+        std::vector<bool> opened(job->choices.size(), !chat);
+        size_t text_offset = 0;
+        auto on_delta = [&](size_t i, const ChoiceDelta& d, bool final) {
+          const Choice& c = *job->choices[i];
+          if (!opened[i]) {
+            opened[i] = true;
             json first = {{"index", i},
                           {"delta", {{"role", "assistant"}, {"content", ""}}},
                           {"logprobs", nullptr},
                           {"finish_reason", nullptr}};
             if (!chunk(first)) return false;
           }
-        }
-        size_t text_offset = 0;
-        auto on_delta = [&](size_t i, const ChoiceDelta& d, bool final) {
-          const Choice& c = *job->choices[i];
           if (!d.empty()) {
             json lp = nullptr;
             if (job->req.logprobs && !d.logprob_tokens.empty())

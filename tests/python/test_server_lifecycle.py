@@ -81,11 +81,13 @@ def test_queue_full_is_429():
 
 
 def test_graceful_shutdown_drains():
-    s = Server("qwen3_nvfp4_ct", "--max-model-len", 1024, "--shutdown-timeout", 30)
+    # 2000 tokens: long enough to be seen running even on the GPU, where the tiny model decodes a
+    # token in well under a millisecond.
+    s = Server("qwen3_nvfp4_ct", "--max-model-len", 4096, "--shutdown-timeout", 30)
     result = {}
 
     def run():
-        r = s.post(CHAT, dict(LONG, max_tokens=300, stream=True), stream=True)
+        r = s.post(CHAT, dict(LONG, max_tokens=2000, stream=True), stream=True)
         result["events"] = sse_json(r)
 
     t = threading.Thread(target=run)
