@@ -20,6 +20,12 @@ Choice::Choice(const ParsedRequest& request, const Tokenizer& tokenizer)
   if (request.harmony && HarmonyParser::supported(tokenizer)) {
     harmony_ = std::make_unique<HarmonyParser>(tokenizer);
     reasoning_text_ = std::make_unique<TextStream>(tokenizer, std::vector<std::string>{}, true);
+    // The prompt already holds the start of the assistant's header (tool_choice): parse it first; its
+    // events (a named tool call's start) go out with the first delta.
+    for (int32_t id : request.assistant_prefix) {
+      auto events = harmony_->add(id);
+      prefix_events_.insert(prefix_events_.end(), events.begin(), events.end());
+    }
   }
 }
 
@@ -62,6 +68,10 @@ ChoiceDelta Choice::add(const GeneratedToken& token) {
   } else {
     all_tokens_.push_back({token.id, 0.0f, {}});
   }
+  if (!prefix_events_.empty()) {
+    route(d, prefix_events_);
+    prefix_events_.clear();
+  }
   if (harmony_)
     route(d, harmony_->add(token.id));
   else
@@ -74,6 +84,10 @@ ChoiceDelta Choice::add(const GeneratedToken& token) {
 ChoiceDelta Choice::finish(const StreamUpdate& end) {
   ChoiceDelta d;
   if (finished()) return d;
+  if (!prefix_events_.empty()) {
+    route(d, prefix_events_);
+    prefix_events_.clear();
+  }
   if (end.stop_token >= 0) {
     ++n_generated_;
     if (harmony_) route(d, harmony_->add(end.stop_token));

@@ -68,6 +68,7 @@ class Choice {
   std::vector<GeneratedToken> all_tokens_;
   int32_t n_generated_ = 0;
   bool started_ = false;
+  std::vector<HarmonyEvent> prefix_events_;  // from the prefilled assistant header, not yet sent
 };
 
 // OpenAI logprobs objects. Chat: {"content": [{token, logprob, bytes, top_logprobs}]}.

@@ -300,6 +300,17 @@ std::variant<std::string, ApiError> render_messages(const json& body, const Serv
   return prompt.value();
 }
 
+// tool_choice enforced for harmony by prefilling the assistant's header: a named function fixes the
+// recipient and opens the JSON arguments; "required" fixes the commentary channel and `functions.` and
+// lets the model pick the name. (check_tools has validated the field already.)
+static std::string harmony_tool_prefix(const json& body) {
+  if (!body.contains("tool_choice") || body["tool_choice"].is_null()) return "";
+  const json& tc = body["tool_choice"];
+  if (tc.is_string()) return tc.get<std::string>() == "required" ? "<|channel|>commentary to=functions." : "";
+  return "<|channel|>commentary to=functions." + tc["function"]["name"].get<std::string>() +
+         " <|constrain|>json<|message|>";
+}
+
 std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const json& body,
                                                     const ServeContext& ctx) {
   ParsedRequest r;
@@ -318,6 +329,11 @@ std::variant<ParsedRequest, ApiError> parse_request(Endpoint endpoint, const jso
     if (auto* e = std::get_if<ApiError>(&prompt)) return *e;
     r.gen.prompt = ctx.tokenizer->encode(std::get<std::string>(prompt), /*allow_special=*/true);
     r.harmony = ctx.chat_format == ChatFormat::kHarmony;
+    if (r.harmony) {
+      const std::string prefix = harmony_tool_prefix(body);
+      r.assistant_prefix = ctx.tokenizer->encode(prefix, /*allow_special=*/true);
+      r.gen.prompt.insert(r.gen.prompt.end(), r.assistant_prefix.begin(), r.assistant_prefix.end());
+    }
   } else {
     if (auto e = completion_prompt(body, ctx, &r)) return *e;
   }

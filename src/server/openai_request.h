@@ -44,6 +44,10 @@ struct ParsedRequest {
   bool logprobs = false;          // chat: logprobs:true; completions: logprobs:N
   int top_logprobs = 0;
   bool harmony = false;  // chat with a gpt-oss model: parse the harmony channels
+  // Harmony tool_choice "required" / named: the header the prompt already holds for the assistant
+  // (`<|channel|>commentary to=functions.[NAME <|constrain|>json<|message|>]`), which the output parser
+  // must read before the generated tokens.
+  std::vector<int32_t> assistant_prefix;
   bool skip_special_tokens = true;
   bool echo = false;  // completions: prompt text before the output
   std::string prompt_text;

@@ -269,6 +269,35 @@ def test_harmony_tool_call(oss):
     assert [e["choices"][0]["finish_reason"] for e in ev if e["choices"] and e["choices"][0]["finish_reason"]] == ["tool_calls"]
 
 
+def test_harmony_tool_choice_named_and_required(oss):
+    # Named: the prompt already ends with the tool's header, so the model only writes the arguments.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        body = dict(nibble_forced_output='{"city": "Rome"}<|call|>', tools=TOOLS, tool_choice=named, max_tokens=50)
+        if stream:
+            ev = stream_chat(oss, **body)
+            calls = [tc for e in ev if e["choices"] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+            name, args = calls[0]["function"]["name"], "".join(tc["function"]["arguments"] for tc in calls)
+            finals = [e["choices"][0]["finish_reason"] for e in ev if e["choices"] and e["choices"][0]["finish_reason"]]
+            assert finals == ["tool_calls"]
+        else:
+            c = chat(oss, **body).json()["choices"][0]
+            assert c["finish_reason"] == "tool_calls"
+            call = c["message"]["tool_calls"][0]
+            name, args = call["function"]["name"], call["function"]["arguments"]
+        assert name == "get_weather" and json.loads(args) == {"city": "Rome"}
+    # Required: channel and `functions.` are fixed; the model names the function.
+    c = chat(oss, nibble_forced_output='get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
+             tools=TOOLS, tool_choice="required", max_tokens=50).json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls"
+    assert c["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    # The prefilled header is part of the prompt.
+    with_choice = chat(oss, tools=TOOLS, tool_choice=named, max_tokens=1).json()["usage"]["prompt_tokens"]
+    without = chat(oss, tools=TOOLS, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert with_choice > without
+
+
 def test_harmony_tool_history_renders(oss):
     msgs = MSG + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
