@@ -14,6 +14,12 @@ namespace nb::cuda {
 // y[t, :] = x[t, :] @ w^T (+ bias) for t < m. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
 void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s);
 
+// The tensor-core FP4 path (gemv_fp4.cu): MXFP4/NVFP4, 16-byte aligned rows, 1 <= m <= 8 (by default
+// only large NVFP4 weights at m = 1, see there). Returns false (nothing launched) for anything else;
+// launch_linear falls back to the CUDA-core kernels then.
+bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
+                           cudaStream_t s);
+
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 
 // All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -209,6 +210,48 @@ TEST_F(CudaOps, LinearEveryFormat) {
       expect_close(want, got, tol,
                    std::string(weight_format_name(c.f)) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) +
                        " parts " + std::to_string(c.parts) + " m " + std::to_string(m));
+    }
+  }
+}
+
+// Route every FP4 weight the tensor-core kernel can take through it (by default it takes only large
+// NVFP4 weights), before the first launch reads the switch.
+const bool kForceFp4Mma = setenv("NIBBLE_FP4_MMA", "1", 1) == 0;
+
+// The tensor-core FP4 path (kernels/gemv_fp4.cu) takes MXFP4/NVFP4 at m = 1..8: every m, k that does not
+// fill whole 128-element spans (2880 = 22.5 spans, 96, 160), row counts that are not a multiple of the
+// 16-row tile, several parts, a weight wide enough for split-K (few rows, k 4096) and one tall enough for
+// several tiles per block. Fresh random inputs per m; outputs are poisoned by the backend.
+TEST_F(CudaOps, LinearFp4TensorCorePath) {
+  ASSERT_TRUE(kForceFp4Mma);
+  struct Case {
+    WeightFormat f;
+    int64_t n, k;
+    int parts;
+  };
+  const Case cases[] = {
+      {WeightFormat::kMXFP4, 70, 2880, 1}, {WeightFormat::kMXFP4, 33, 96, 2},  {WeightFormat::kMXFP4, 19, 160, 3},
+      {WeightFormat::kMXFP4, 24, 4096, 1}, {WeightFormat::kMXFP4, 1000, 256, 1}, {WeightFormat::kMXFP4, 5, 32, 1},
+      {WeightFormat::kNVFP4, 70, 2880, 1}, {WeightFormat::kNVFP4, 33, 96, 2},  {WeightFormat::kNVFP4, 19, 160, 3},
+      {WeightFormat::kNVFP4, 24, 4096, 1}, {WeightFormat::kNVFP4, 1000, 256, 1}, {WeightFormat::kNVFP4, 5, 32, 1},
+  };
+  for (const Case& c : cases) {
+    const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, DType::kBF16);
+    upload(w);
+    const std::vector<float> bias = randn(c.n);
+    for (int64_t m = 1; m <= 8; ++m) {
+      std::vector<float> x = randn(m * c.k);
+      if (m == 5) for (float& v : x) v *= 3e4f;    // beyond fp16 range: the kernel's power-of-two prescale
+      if (m == 6) for (float& v : x) v *= 1e-6f;   // far below it
+      Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
+      const bool with_bias = m % 2 == 1;
+      const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {m, c.k}), w, with_bias ? &cb : nullptr));
+      const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {m, c.k}), w, with_bias ? &gb : nullptr));
+      std::vector<float> tol = linear_tol(x, w, m);
+      for (float& t : tol) t += 1e-6f;
+      expect_close(want, got, tol,
+                   std::string("tensor-core ") + weight_format_name(c.f) + " n " + std::to_string(c.n) + " k " +
+                       std::to_string(c.k) + " parts " + std::to_string(c.parts) + " m " + std::to_string(m));
     }
   }
 }
