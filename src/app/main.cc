@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   CLI::App app{"nibble: an inference engine for FP4 (MXFP4, NVFP4) LLM checkpoints", "nibble"};
   app.set_version_flag("--version", kVersion);
   app.require_subcommand(1);
+  app.fallthrough();  // -v works after the subcommand too
   bool verbose = false;
   app.add_flag("-v,--verbose", verbose, "Log what is happening (stderr)");
 
