@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "app/bench_args.h"
+#include "app/cli_util.h"
 #include "bench/client.h"
 #include "bench/metrics.h"
 #include "bench/report.h"
@@ -40,14 +41,6 @@ std::string default_corpus() {
   for (const fs::path& p : candidates)
     if (fs::is_regular_file(p, ec)) return fs::weakly_canonical(p, ec).string();
   return "";
-}
-
-Result<std::string> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return error("--text-file '" + path + "': cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 std::string random_suffix(std::mt19937_64& rng) {  // " " + a uuid4-shaped string
@@ -140,7 +133,7 @@ int cmd_bench(const BenchArgs& a) {
   const std::string corpus_path = a.text_file.empty() ? default_corpus() : a.text_file;
   if (corpus_path.empty()) return fail("bundled corpus data/tinyshakespeare.txt not found; pass --text-file F");
   auto text = read_file(corpus_path);
-  if (!text.ok()) return fail(text.status().message());
+  if (!text.ok()) return fail(text.status().with_context("--text-file").message());
   const std::vector<int32_t> corpus = (*tok)->encode(*text, false);
   if (corpus.empty()) return fail("--text-file '" + corpus_path + "' has no tokens");
   std::fprintf(stderr, "nibble bench (llama-benchy 0.2.1 compatible): %s at %s\n", a.model.c_str(), a.base_url.c_str());

@@ -11,19 +11,12 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "app/cli_util.h"
 #include "app/model_commands.h"
 #include "app/model_session.h"
 
 namespace nb {
 namespace {
-
-Result<std::string> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 Result<std::vector<int32_t>> read_tokens(const std::string& path, int vocab) {
   NB_ASSIGN_OR_RETURN(std::string text, read_file(path));

@@ -5,30 +5,23 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "app/cli_util.h"
 #include "app/model_commands.h"
 #include "app/model_session.h"
 #include "base/log.h"
 #include "server/text_stream.h"
 #include "text/chat.h"
+#include "text/regex.h"
 
 namespace nb {
 namespace {
 
-Result<std::vector<int32_t>> parse_ids(const std::string& text, const char* what) {
-  std::vector<int32_t> ids;
-  std::istringstream in(text);
-  std::string word;
-  while (in >> word) {
-    char* end = nullptr;
-    const long v = std::strtol(word.c_str(), &end, 10);
-    if (*end != '\0' || v < 0 || v > INT32_MAX) return error(std::string(what) + ": '" + word + "' is not a token id");
-    ids.push_back(static_cast<int32_t>(v));
-  }
-  return ids;
-}
-
 Result<std::vector<int32_t>> prompt_ids(const RunArgs& args, const ModelSession& s) {
-  if (!args.prompt_tokens.empty()) return parse_ids(args.prompt_tokens, "--prompt-tokens");
+  if (!args.prompt_tokens.empty()) {
+    auto ids = parse_token_ids(args.prompt_tokens);
+    if (!ids.ok()) return ids.status().with_context("--prompt-tokens");
+    return ids;
+  }
   const ModelConfig& cfg = s.model->config();
   if (!args.chat.empty()) {
     ChatOptions options;
@@ -45,6 +38,12 @@ Result<std::vector<int32_t>> prompt_ids(const RunArgs& args, const ModelSession&
   const auto text = s.tokenizer->encode(args.prompt, /*allow_special=*/false);
   ids.insert(ids.end(), text.begin(), text.end());
   return ids;
+}
+
+// Valid UTF-8 for the terminal even when a model emits byte tokens that form no character.
+std::string repaired(const std::string& bytes) {
+  std::string storage;
+  return std::string(text::repair_utf8(bytes, &storage));
 }
 
 }  // namespace
@@ -74,7 +73,7 @@ int cmd_run(const RunArgs& args) {
     return 2;
   }
   for (int32_t id : prompt) {
-    if (id >= cfg.vocab_size) {
+    if (id < 0 || id >= cfg.vocab_size) {
       std::fprintf(stderr, "nibble: error: prompt token %d is outside the vocabulary (size %d)\n", id, cfg.vocab_size);
       return 2;
     }
@@ -121,11 +120,11 @@ int cmd_run(const RunArgs& args) {
     if (args.print_tokens) {
       std::printf(generated.size() == 1 ? "%d" : " %d", id);
     } else {
-      std::fputs(utf8_replace_invalid(text->add(id)).c_str(), stdout);
+      std::fputs(repaired(text->add(id)).c_str(), stdout);
     }
     std::fflush(stdout);
   }
-  if (text) std::fputs(utf8_replace_invalid(text->flush()).c_str(), stdout);
+  if (text) std::fputs(repaired(text->flush()).c_str(), stdout);
   std::printf("\n");
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "app/cli_util.h"
 #include "app/commands.h"
 #include "text/tokenizer.h"
 
@@ -35,27 +36,6 @@ std::string ids_to_text(const std::vector<int32_t>& ids) {
 // (an id sequence that ends inside a character) becomes U+FFFD.
 std::string to_json_string(const std::string& s) {
   return json(s).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace);
-}
-
-// Parses whitespace-separated decimal ids; the error names the bad word.
-Result<std::vector<int32_t>> parse_ids(const std::string& text) {
-  std::vector<int32_t> ids;
-  size_t pos = 0;
-  while (true) {
-    pos = text.find_first_not_of(" \t\r\n,", pos);
-    if (pos == std::string::npos) break;
-    size_t end = text.find_first_of(" \t\r\n,", pos);
-    std::string word = text.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
-    pos = end;
-    char* stop = nullptr;
-    long long v = std::strtoll(word.c_str(), &stop, 10);
-    if (word.empty() || *stop != '\0' || v < INT32_MIN || v > INT32_MAX) {
-      return error("'" + word + "' is not a token id");
-    }
-    ids.push_back(static_cast<int32_t>(v));
-    if (end == std::string::npos) break;
-  }
-  return ids;
 }
 
 int run_jsonl(const Tokenizer& tok, const TokenizeArgs& args) {
@@ -96,7 +76,7 @@ int cmd_tokenize(const TokenizeArgs& args) {
   if (args.jsonl) return run_jsonl(**tok, args);
   std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
   if (args.decode) {
-    auto ids = parse_ids(input);
+    auto ids = parse_token_ids(input);
     if (!ids.ok()) return fail(ids.status().message());
     auto text = (*tok)->decode_checked(*ids);
     if (!text.ok()) return fail(text.status().message());

@@ -49,32 +49,4 @@ Result<ModelSession> open_model_session(const std::string& dir, const std::strin
   return session;
 }
 
-std::string utf8_replace_invalid(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  for (size_t i = 0; i < n;) {
-    const unsigned char c = p[i];
-    int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    bool ok = len > 0 && i + len <= n;
-    for (int k = 1; ok && k < len; ++k) ok = (p[i + k] & 0xC0) == 0x80;
-    if (ok && len > 1) {
-      // Reject overlong forms, surrogates and code points past U+10FFFF.
-      uint32_t cp = c & (0xFF >> (len + 1));
-      for (int k = 1; k < len; ++k) cp = (cp << 6) | (p[i + k] & 0x3F);
-      const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
-      ok = cp >= min_cp[len] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
-    }
-    if (ok) {
-      out.append(s, i, len);
-      i += len;
-    } else {
-      out += "\xEF\xBF\xBD";  // U+FFFD
-      ++i;
-    }
-  }
-  return out;
-}
-
 }  // namespace nb

@@ -21,8 +21,5 @@ Result<ModelSession> open_model_session(const std::string& dir, const std::strin
                                         bool need_tokenizer, const std::string& dense_format = "keep",
                                         const std::string& kv_cache_dtype = "auto");
 
-// `s` with every invalid UTF-8 sequence replaced by U+FFFD, so the terminal gets valid text even when
-// a (random or badly trained) model emits byte tokens that form no character.
-std::string utf8_replace_invalid(const std::string& s);
 
 }  // namespace nb
