@@ -2,7 +2,8 @@
 # On the GPU machine, in one call: unpack the carried Debian build deps (.deps/debs, no network
 # there), build for the local GPU's arch, run every GPU test and the benchmarks, print a short table.
 # Usage (device tool, carry [".deps"]): bash scripts/gpu-check.sh [--goldens]
-#   NIBBLE_SKIP_BENCH=1 skips the benchmarks; NIBBLE_CTEST_FILTER=regex runs only matching tests
+#   NIBBLE_SKIP_BENCH=1 skips the benchmarks; NIBBLE_CTEST_FILTER=regex runs only matching tests;
+#   NIBBLE_BUILD_DIR (default build-gpu); NIBBLE_TARGETS="a b" builds only those targets (default all)
 #   --goldens  also re-make the committed goldens with HF transformers / tiktoken / tokenizers and
 #              leave them in $OUT/goldens.tar.gz
 set -uo pipefail
@@ -32,29 +33,32 @@ fi
 
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 t0=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" >"$OUT/build.log" 2>&1 &&
-  cmake --build build-gpu -j16 -- -k 0 >>"$OUT/build.log" 2>&1
+B=${NIBBLE_BUILD_DIR:-build-gpu}
+targets=()
+for t in ${NIBBLE_TARGETS:-}; do targets+=(--target "$t"); done
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" >"$OUT/build.log" 2>&1 &&
+  cmake --build "$B" -j16 "${targets[@]}" -- -k 0 >>"$OUT/build.log" 2>&1
 rc=$?
 result[build]="rc=$rc $(( $(date +%s) - t0 ))s sm_${arch}a"
 if [ $rc -ne 0 ]; then tail -40 "$OUT/build.log"; fi
 
 t0=$(date +%s)
-ctest --test-dir build-gpu --output-on-failure -j4 ${NIBBLE_CTEST_FILTER:+-R "$NIBBLE_CTEST_FILTER"} >"$OUT/ctest.log" 2>&1
+ctest --test-dir "$B" --output-on-failure -j4 ${NIBBLE_CTEST_FILTER:+-R "$NIBBLE_CTEST_FILTER"} >"$OUT/ctest.log" 2>&1
 result[ctest]="rc=$? $(( $(date +%s) - t0 ))s $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
 grep -E "Failed|\*\*\*|Passed|skipping" "$OUT/ctest.log" | tail -30
 # The CUDA goldens' measured errors (the test prints them; ctest hides passing output).
-if [ -x build-gpu/tests/golden_cuda_test ]; then
-  build-gpu/tests/golden_cuda_test --gtest_filter='*Nll*:*Rounded*' 2>&1 | grep -E "cuda|FAILED" | tail -12
+if [ -x "$B"/tests/golden_cuda_test ]; then
+  "$B"/tests/golden_cuda_test --gtest_filter='*Nll*:*Rounded*' 2>&1 | grep -E "cuda|FAILED" | tail -12
 fi
 
 # Benchmarks (bench/): kernel projections and end-to-end tg128 with --dummy-weights; tables to $OUT.
-if [ -x build-gpu/src/nibble_kernel_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
+if [ -x "$B"/src/nibble_kernel_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   t0=$(date +%s)
-  timeout 200 build-gpu/src/nibble_kernel_bench >"$OUT/kernel_bench.md" 2>&1
+  timeout 200 "$B"/src/nibble_kernel_bench >"$OUT/kernel_bench.md" 2>&1
   result[kernel_bench]="rc=$? $(( $(date +%s) - t0 ))s"
   cat "$OUT/kernel_bench.md"
   t0=$(date +%s)
-  timeout 240 build-gpu/src/nibble_e2e_bench configs/gpt-oss-20b configs/gpt-oss-120b >"$OUT/e2e_bench.md" 2>&1
+  timeout 240 "$B"/src/nibble_e2e_bench configs/gpt-oss-20b configs/gpt-oss-120b >"$OUT/e2e_bench.md" 2>&1
   result[e2e_bench]="rc=$? $(( $(date +%s) - t0 ))s"
   cat "$OUT/e2e_bench.md"
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
