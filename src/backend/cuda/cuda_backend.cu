@@ -546,6 +546,8 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   t.d_model = static_cast<int>(ex.fc1[0].k);
   t.fc1_bias = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
   t.fc2_bias = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
+  t.fp4_vec_ok = true;  // the FP4 tensor-core kernels need every expert's rows 16-byte aligned
+  for (int e = 0; e < ex.n_experts; ++e) t.fp4_vec_ok = t.fp4_vec_ok && fc1[e].vec_ok && fc2[e].vec_ok;
   return experts.emplace(key, std::move(d)).first->second;
 }
 
