@@ -96,6 +96,8 @@ void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const flo
   constexpr int smem = gemm::Tile<BM, kSplit>::kSmem;
   auto kernel = gemm_fp4_kernel<K, BM, kSplit>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // The whole carveout as shared memory, so that two blocks fit per SM where the device has room.
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   const dim3 grid(ceil_div(w.n, kBN), ceil_div(m, BM));
   kernel<<<grid, kThreads, smem, s>>>(w, a.hi, kSplit ? a.lo : a.hi, a.unscale, static_cast<int>(m), bias, y);
   CUDA_CHECK(cudaGetLastError());

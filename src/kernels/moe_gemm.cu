@@ -156,6 +156,7 @@ void projections(const ExpertTable& t, const float* weights, int64_t n_pairs, Gl
   const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
   auto fc1 = fc1_kernel<K, kSplit>;
   CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   fc1<<<dim3(ceil_div(t.d_expert, kBN / 2), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
                                                                                 ws.x, glu, limit, ws.act);
   CUDA_CHECK(cudaGetLastError());
@@ -163,6 +164,7 @@ void projections(const ExpertTable& t, const float* weights, int64_t n_pairs, Gl
   launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
   auto fc2 = fc2_kernel<K, kSplit>;
   CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   fc2<<<dim3(ceil_div(t.d_model, kBN), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
                                                                            ws.pair_of, weights, ws.a, ws.y_slot);
   CUDA_CHECK(cudaGetLastError());

@@ -115,9 +115,11 @@ struct ExpertDev {
 };
 
 // Token counts from which the tensor-core GEMMs beat the GEMV kernels (bench/gemm_bench.cu, crossover
-// table): the GEMV path re-reads the weight for every 4 tokens (linear) or every (token, choice) pair (MoE).
-constexpr int kGemmMinTokens = 64;
-constexpr int kMoeGemmMinTokens = 16;
+// table; H200, 2026-11-22): the GEMV path re-reads the weight for every 4 tokens (linear) or every
+// (token, choice) pair (MoE). QKV broke even at 16 tokens and was 1.7x faster at 32; the gpt-oss-20b MoE
+// layer broke even at 32 and was 2.4x faster at 64.
+constexpr int kGemmMinTokens = 32;
+constexpr int kMoeGemmMinTokens = 48;
 
 KvKind kv_kind_of(DType t) {
   switch (t) {
