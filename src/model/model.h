@@ -24,6 +24,8 @@ struct ModelOptions {
   DType kv_cache_dtype = DType::kBF16;       // kBF16, kF8_E4M3 or kF32
   DenseFormat dense_format = DenseFormat::kKeep;  // re-quantize dense attention projections and lm_head
   bool dummy_weights = false;                // random weights from config.json alone; no safetensors read
+  int gemm_min_tokens = 0, moe_gemm_min_tokens = 0;  // prefill GEMM thresholds, see CudaBackendOptions
+  bool gemm_fp16_activations = false;               // see CudaBackendOptions
 };
 
 struct KvCacheOptions {

@@ -40,10 +40,14 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
     ref_nll_ = ref_["nll"].get<std::vector<double>>();
     load(DType::kF32);
   }
-  void load(DType kv) {
+  // gemm: 0 the default thresholds, 1 every linear and MoE layer through the prefill GEMMs (hi + lo
+  // activations), 2 the same with one fp16 per activation.
+  void load(DType kv, int gemm = 0) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.kv_cache_dtype = kv;
+    if (gemm > 0) o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
+    o.gemm_fp16_activations = gemm == 2;
     auto m = Model::load(dir_, o);
     ASSERT_TRUE(m.ok()) << m.status().message();
     model_ = std::move(m.value());
@@ -86,6 +90,22 @@ TEST_P(GoldenCuda, Nll) {
   std::printf("%s cuda: max NLL error, one batch %.2e, chunks 10+1+53 %.2e\n", GetParam().c_str(), one, chunks);
   EXPECT_LT(one, kNllTolerance);
   EXPECT_LT(chunks, kNllTolerance);
+}
+
+// The prompts (64 tokens) are below the default GEMM thresholds in places, so force the prefill GEMMs
+// (kernels/gemm_fp4.cu, moe_gemm.cu) for every FP4 linear and MoE layer: with hi + lo activations they
+// keep the CI bound; one fp16 per activation is reported.
+TEST_P(GoldenCuda, NllThroughPrefillGemms) {
+  load(DType::kF32, 1);
+  const double one = chunked_nll_error({64}, {0, 1, 2, 3});
+  const double chunks = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
+  load(DType::kF32, 2);
+  const double fp16 = chunked_nll_error({64}, {0, 1, 2, 3});
+  std::printf("%s cuda, prefill GEMMs: max NLL error, one batch %.2e, chunks %.2e; fp16 activations %.2e\n",
+              GetParam().c_str(), one, chunks, fp16);
+  EXPECT_LT(one, kNllTolerance);
+  EXPECT_LT(chunks, kNllTolerance);
+  EXPECT_TRUE(std::isfinite(fp16));
 }
 
 TEST_P(GoldenCuda, TwoSequencesOneBatch) {

@@ -14,8 +14,10 @@
 #include "backend/cuda/device.h"
 #include "base/log.h"
 #include "kernels/attention.cuh"
+#include "kernels/gemm_fp4.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
+#include "kernels/moe_gemm.cuh"
 #include "kernels/norm_rope.cuh"
 #include "kernels/quant.cuh"
 
@@ -108,8 +110,16 @@ struct Region {
 
 struct ExpertDev {
   cuda::ExpertTable table;
-  Tensor fc1, fc2;  // the DevWeight arrays, device memory
+  Tensor fc1, fc2;      // the DevWeight arrays, device memory
+  bool vec_ok = true;   // every expert's rows are 16-byte aligned (the grouped GEMM's cp.async needs it)
 };
+
+// Token counts from which the tensor-core GEMMs beat the GEMV kernels (bench/gemm_bench.cu, crossover
+// table; H200, 2026-11-22): the GEMV path re-reads the weight for every 4 tokens (linear) or every
+// (token, choice) pair (MoE). QKV broke even at 16 tokens and was 1.7x faster at 32; the gpt-oss-20b MoE
+// layer broke even at 32 and was 2.4x faster at 64.
+constexpr int kGemmMinTokens = 32;
+constexpr int kMoeGemmMinTokens = 48;
 
 KvKind kv_kind_of(DType t) {
   switch (t) {
@@ -453,8 +463,19 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   std::vector<int64_t> shape = x.shape;
   shape.back() = w.n;
   Tensor out = alloc(DType::kF32, shape);
-  cuda::launch_linear(impl_->dev_weight(w), x.data<float>(), x.numel() / w.k, bias ? bias->data<float>() : nullptr,
-                      out.data<float>(), impl_->stream);
+  const DevWeight dw = impl_->dev_weight(w);
+  const int64_t m = x.numel() / w.k;
+  const float* b = bias ? bias->data<float>() : nullptr;
+  const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
+  if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
+    const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+    Tensor scratch = alloc(DType::kU8, {cuda::gemm_activations_bytes(m, static_cast<int>(w.k), mode)});
+    const cuda::GemmActivations a = cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode);
+    cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
+    cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
+    return out;
+  }
+  cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->stream);
   return out;
 }
 
@@ -528,6 +549,7 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   for (int e = 0; e < ex.n_experts; ++e) {
     fc1.push_back(dev_weight(ex.fc1[e]));
     fc2.push_back(dev_weight(ex.fc2[e]));
+    d.vec_ok = d.vec_ok && fc1.back().vec_ok && fc2.back().vec_ok;
     NB_CHECK(fc1.back().kind == fc1[0].kind && fc2.back().kind == fc1[0].kind,
              "moe_experts: every expert projection must share one format");
   }
@@ -577,7 +599,25 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
 }
 
 Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
-  return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+  const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
+  const ExpertDev& d = impl_->expert_tables(ex);
+  const int min_t = impl_->options.moe_gemm_min_tokens > 0 ? impl_->options.moe_gemm_min_tokens : kMoeGemmMinTokens;
+  if (n_tokens < min_t || !d.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+  // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
+  check_f32(x, "moe_experts");
+  NB_CHECK(x.dim(1) == d.table.d_model && routes.ids.dim(0) == n_tokens, "moe_experts: input " + shape_string(x.shape));
+  const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+  Tensor scratch = alloc(DType::kU8, {cuda::moe_gemm_scratch_bytes(d.table, n_tokens * top_k, mode)});
+  const cuda::MoeGemmScratch ws = cuda::moe_gemm_scratch_in(scratch.data<uint8_t>(), d.table, n_tokens * top_k, mode);
+  Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
+  const bool inter = ex.layout == GluLayout::kInterleaved;
+  const cuda::Glu g = glu.activation == Activation::kGptOssClamped
+                          ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
+                          : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
+  cuda::launch_moe_gemm(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
+                        static_cast<int>(top_k), x.data<float>(), g, glu.limit, mode, ws, y.data<float>(),
+                        impl_->stream);
+  return y;
 }
 
 Tensor CudaBackend::run_graphed(const BatchInfo& b, const KvCache& cache, const std::function<Tensor()>& step) {

@@ -22,6 +22,12 @@ struct CudaBackendOptions {
   int device = 0;
   DType kv_cache_dtype = DType::kBF16;  // kBF16, kF8_E4M3 or kF32
   bool poison = false;                  // tests: fill every new activation buffer with NaN bytes
+  // Prefill: FP4 linears with at least this many tokens, and FP4 MoE layers with at least this many
+  // tokens, run the tensor-core GEMMs (kernels/gemm_fp4.cuh, moe_gemm.cuh) instead of the GEMV kernels.
+  // 0: the measured defaults (cuda_backend.cu); 1 forces the GEMMs (tests).
+  int gemm_min_tokens = 0;
+  int moe_gemm_min_tokens = 0;
+  bool gemm_fp16_activations = false;  // the GEMMs round activations to one fp16 (11 bits) instead of hi + lo
 };
 
 struct CudaLoadStats {
