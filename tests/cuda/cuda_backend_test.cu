@@ -536,7 +536,7 @@ TEST_F(CudaOps, QkvRopeKvWrite) {
             gpu.qkv_rope_kv_write(gpu.upload(TensorView{qkv.data(), DType::kF32, {T, (nh + 2 * nkv) * hd}}), gp, *gc, 0, b));
         // |values| up to ~10 (|x| ~ 2 x 4 sigma, norm weights ~ 3); rope and norm are a few fp32 ops each, and
         // the angle p * inv_freq is the same fp32 product on both sides.
-        const std::string what = std::string("qkv_rope_kv_write kv ") + dtype_name(kv) + " rope " +
+        const std::string what = "qkv_rope_kv_write kv " + std::string(dtype_name(kv)) + " rope " +
                                  std::to_string(static_cast<int>(rc.type)) + (norms ? " norms" : "");
         expect_close(want, got, {1e-4f}, what + " q");
         // The cache: fp32 the same bound; BF16 and FP8 the element rounding (2^-8 and 2^-4 relative, half
