@@ -128,7 +128,8 @@ struct CudaBackend::Impl {
   std::vector<Region> regions;          // sorted by host_begin
   std::vector<void*> owned;             // weight buffers: checkpoint copies, re-quantized, random
   std::unordered_map<const void*, ExpertDev> experts;   // by fc1[0]'s data pointer
-  std::unordered_map<const float*, Tensor> rope_tables;  // by RopeTable::inv_freq.data()
+  // By RopeTable::inv_freq.data(): the host values and their device copy.
+  std::unordered_map<const float*, std::pair<std::vector<float>, Tensor>> rope_tables;
   // The last batch's metadata, on the host (to see whether it changed) and on the device.
   std::vector<int32_t> h_batch;
   Tensor d_batch;
@@ -481,12 +482,14 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
 
 // The RoPE table's inverse frequencies on the device, uploaded at first use (before any graph capture).
 static const float* rope_table(CudaBackend& be, CudaBackend::Impl& I, const RopeTable& rope) {
+  // Keyed by address, checked by value: a table freed and another made at the same address (tests do
+  // that) must not find the old copy.
   auto it = I.rope_tables.find(rope.inv_freq.data());
-  if (it == I.rope_tables.end()) {
+  if (it == I.rope_tables.end() || it->second.first != rope.inv_freq) {
     TensorView v{rope.inv_freq.data(), DType::kF32, {static_cast<int64_t>(rope.inv_freq.size())}};
-    it = I.rope_tables.emplace(rope.inv_freq.data(), be.upload(v)).first;
+    it = I.rope_tables.insert_or_assign(rope.inv_freq.data(), std::make_pair(rope.inv_freq, be.upload(v))).first;
   }
-  return it->second.data<float>();
+  return it->second.second.data<float>();
 }
 
 void CudaBackend::rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) {
