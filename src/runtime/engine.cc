@@ -233,7 +233,7 @@ void Engine::step() {
   std::vector<SampleSpec> specs(schedule.seqs.size());
   for (size_t i = 0; i < schedule.seqs.size(); ++i) {
     Sequence* seq = schedule.seqs[i].seq;
-    if (seq->n_pending() != 0) continue;
+    if (schedule.seqs[i].n_new != seq->n_pending()) continue;  // this step leaves the prefill unfinished
     Active& a = *active_.at(seq->id);
     host = host || needs_host_logits(a);
     specs[i] = a.sampler->next();
