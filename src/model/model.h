@@ -68,6 +68,10 @@ class Model {
   // host), rows in batch order: every new token of a seq with all_logits, else its last token.
   // A malformed batch (token ids, block tables, counts) is an error, never a crash.
   Result<std::vector<float>> forward(const Batch& batch, KvCache& cache);
+  // The same step, then one token id per logits row sampled on the backend under specs (one per row, in
+  // row order); only the ids reach the host (Backend::sample).
+  Result<std::vector<int32_t>> forward_sampled(const Batch& batch, KvCache& cache,
+                                               const std::vector<SampleSpec>& specs);
 
  protected:
   // The architecture's forward pass: logits [b.logit_rows.size(), vocab] on the backend.
@@ -82,6 +86,8 @@ class Model {
 
  private:
   Result<BatchInfo> make_batch_info(const Batch& batch, const KvCache& cache) const;
+  // The logits of a validated batch, on the backend (a CUDA graph replay for decode steps).
+  Tensor run_step(const BatchInfo& info, KvCache& cache);
 };
 
 // The architectures (one file each); called by Model::load.

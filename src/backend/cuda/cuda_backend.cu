@@ -19,7 +19,9 @@
 #include "kernels/moe.cuh"
 #include "kernels/moe_gemm.cuh"
 #include "kernels/norm_rope.cuh"
+#include "kernels/qkv_rope.cuh"
 #include "kernels/quant.cuh"
+#include "kernels/sample.cuh"
 
 namespace nb {
 
@@ -66,14 +68,8 @@ class Pool {
       release_all();
       err = cudaMalloc(&p, bytes);
     }
-    if (err != cudaSuccess) {
-      size_t free_b = 0, total_b = 0;
-      (void)cudaGetLastError();
-      cudaMemGetInfo(&free_b, &total_b);
-      NB_CHECK(false, "CUDA out of memory: allocating " + std::to_string(bytes >> 20) + " MiB with " +
-                          std::to_string(free_b >> 20) + " MiB free of " + std::to_string(total_b >> 20) +
-                          " MiB; use fewer KV blocks or a smaller batch");
-    }
+    if (err != cudaSuccess)
+      cuda_oom(bytes, "activations", "use a smaller batch (--max-num-seqs, --max-num-batched-tokens) or KV cache");
     return p;
   }
   void put(void* p, size_t bytes) {
@@ -142,7 +138,8 @@ struct CudaBackend::Impl {
   std::vector<Region> regions;          // sorted by host_begin
   std::vector<void*> owned;             // weight buffers: checkpoint copies, re-quantized, random
   std::unordered_map<const void*, ExpertDev> experts;   // by fc1[0]'s data pointer
-  std::unordered_map<const float*, Tensor> rope_tables;  // by RopeTable::inv_freq.data()
+  // By RopeTable::inv_freq.data(): the host values and their device copy.
+  std::unordered_map<const float*, std::pair<std::vector<float>, Tensor>> rope_tables;
   // The last batch's metadata, on the host (to see whether it changed) and on the device.
   std::vector<int32_t> h_batch;
   Tensor d_batch;
@@ -191,7 +188,7 @@ struct CudaBackend::Impl {
       pool->release_all();
       err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
     }
-    NB_CHECK(err == cudaSuccess, "CUDA out of memory allocating " + std::to_string(bytes >> 20) + " MiB of weights");
+    if (err != cudaSuccess) cuda_oom(bytes, "weights", "");
     owned.push_back(p);
     return p;
   }
@@ -427,6 +424,19 @@ std::unique_ptr<KvCache> CudaBackend::new_kv_cache(int n_layers, int n_blocks, i
   auto cache = std::make_unique<KvCache>();
   cache->n_blocks = n_blocks;
   const DType dt = impl_->options.kv_cache_dtype;
+  // The whole cache up front, so that too large a cache is one message naming it, not a failure in a step.
+  const size_t layer_bytes = static_cast<size_t>(n_blocks) * kKvBlock * n_kv_heads * head_dim * dtype_bits(dt) / 8;
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (2 * n_layers * Pool::size_class(layer_bytes) > free_b) {
+    impl_->pool->release_all();
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  }
+  if (2 * n_layers * Pool::size_class(layer_bytes) > free_b)
+    cuda_oom(2 * n_layers * layer_bytes,
+             "the KV cache (" + std::to_string(n_blocks) + " blocks of " + std::to_string(kKvBlock) + " tokens, " +
+                 std::to_string(n_layers) + " layers)",
+             "lower --max-model-len, --num-gpu-blocks-override or --kv-cache-memory-bytes");
   for (int l = 0; l < n_layers; ++l) {
     cache->k.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
     cache->v.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
@@ -456,6 +466,18 @@ Tensor CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps) {
   return out;
 }
 
+Tensor CudaBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) {
+  check_f32(x, "add_rms_norm");
+  check_f32(y, "add_rms_norm");
+  const int64_t d = x.dim(-1);
+  NB_CHECK(x.numel() == y.numel() && w.numel() == d,
+           "add_rms_norm: x " + shape_string(x.shape) + ", y " + shape_string(y.shape) + ", weight " + shape_string(w.shape));
+  Tensor out = alloc(DType::kF32, x.shape);
+  cuda::launch_rms_norm(x.data<float>(), y.data<float>(), w.data<float>(), x.numel() / d, static_cast<int>(d), eps,
+                        out.data<float>(), impl_->stream);
+  return out;
+}
+
 Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias) {
   check_f32(x, "linear");
   NB_CHECK(x.dim(-1) == w.k, "linear: input " + shape_string(x.shape) + " for weight " + w.shape_string());
@@ -479,17 +501,25 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   return out;
 }
 
+// The RoPE table's inverse frequencies on the device, uploaded at first use (before any graph capture).
+static const float* rope_table(CudaBackend& be, CudaBackend::Impl& I, const RopeTable& rope) {
+  // Keyed by address, checked by value: a table freed and another made at the same address (tests do
+  // that) must not find the old copy.
+  auto it = I.rope_tables.find(rope.inv_freq.data());
+  if (it == I.rope_tables.end() || it->second.first != rope.inv_freq) {
+    TensorView v{rope.inv_freq.data(), DType::kF32, {static_cast<int64_t>(rope.inv_freq.size())}};
+    it = I.rope_tables.insert_or_assign(rope.inv_freq.data(), std::make_pair(rope.inv_freq, be.upload(v))).first;
+  }
+  return it->second.second.data<float>();
+}
+
 void CudaBackend::rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) {
   check_f32(x, "rope");
   const int64_t half = x.dim(2) / 2;
   NB_CHECK(x.dim(0) == b.n_tokens() && static_cast<int64_t>(rope.inv_freq.size()) == half, "rope shapes");
-  auto it = impl_->rope_tables.find(rope.inv_freq.data());
-  if (it == impl_->rope_tables.end()) {
-    TensorView v{rope.inv_freq.data(), DType::kF32, {half}};
-    it = impl_->rope_tables.emplace(rope.inv_freq.data(), upload(v)).first;
-  }
+  const float* inv_freq = rope_table(*this, *impl_, rope);
   const cuda::DevBatch& db = impl_->batch(b);
-  cuda::launch_rope(x.data<float>(), db.positions, it->second.data<float>(), rope.attention_scale, x.dim(0),
+  cuda::launch_rope(x.data<float>(), db.positions, inv_freq, rope.attention_scale, x.dim(0),
                     static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), impl_->stream);
 }
 
@@ -501,6 +531,33 @@ void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Ten
   const cuda::DevBatch& db = impl_->batch(b);
   cuda::launch_kv_write(kv_kind_of(kc.dtype), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(), k.data<float>(),
                         v.data<float>(), db, static_cast<int>(k.dim(1)), static_cast<int>(k.dim(2)), impl_->stream);
+}
+
+Tensor CudaBackend::qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                                      const BatchInfo& b) {
+  check_f32(qkv, "qkv_rope_kv_write");
+  const int64_t T = qkv.dim(0), hd = p.head_dim;
+  const Tensor& kc = cache.k[layer];
+  NB_CHECK(p.rope && qkv.numel() == T * (p.n_heads + 2 * p.n_kv_heads) * hd && T == b.n_tokens() &&
+               kc.dim(2) == p.n_kv_heads && kc.dim(3) == hd && static_cast<int64_t>(p.rope->inv_freq.size()) == hd / 2,
+           "qkv_rope_kv_write: qkv " + shape_string(qkv.shape) + " for " + std::to_string(p.n_heads) + " + 2 x " +
+               std::to_string(p.n_kv_heads) + " heads of " + std::to_string(hd) + ", cache " + shape_string(kc.shape));
+  NB_CHECK((!p.q_norm || p.q_norm->numel() == hd) && (!p.k_norm || p.k_norm->numel() == hd),
+           "qkv_rope_kv_write: q/k norm weights must have head_dim elements");
+  cuda::QkvRopeShape s;
+  s.n_heads = p.n_heads;
+  s.n_kv_heads = p.n_kv_heads;
+  s.head_dim = p.head_dim;
+  s.q_norm = p.q_norm ? p.q_norm->data<float>() : nullptr;
+  s.k_norm = p.k_norm ? p.k_norm->data<float>() : nullptr;
+  s.eps = p.eps;
+  s.inv_freq = rope_table(*this, *impl_, *p.rope);
+  s.attention_scale = p.rope->attention_scale;
+  const cuda::DevBatch& db = impl_->batch(b);
+  Tensor q = alloc(DType::kF32, {T, p.n_heads, hd});
+  cuda::launch_qkv_rope_kv_write(kv_kind_of(kc.dtype), qkv.data<float>(), s, db, kc.data<uint8_t>(),
+                                 cache.v[layer].data<uint8_t>(), q.data<float>(), impl_->stream);
+  return q;
 }
 
 Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
@@ -684,6 +741,26 @@ Tensor CudaBackend::gather_rows(const Tensor& x, const std::vector<int32_t>& row
   cuda::launch_gather_rows(x.data<uint8_t>(), rows_ptr, static_cast<int64_t>(rows.size()), row_bytes,
                            out.data<uint8_t>(), impl_->stream);
   return out;
+}
+
+std::vector<int32_t> CudaBackend::sample(const Tensor& logits, const std::vector<SampleSpec>& specs) {
+  check_f32(logits, "sample");
+  const int64_t rows = logits.dim(0), vocab = logits.dim(-1);
+  NB_CHECK(static_cast<int64_t>(specs.size()) == rows, "sample: " + std::to_string(specs.size()) +
+                                                           " specs for " + std::to_string(rows) + " rows");
+  std::vector<cuda::DevSampleSpec> h(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    h[r] = {specs[r].temperature, specs[r].top_p, specs[r].top_k, specs[r].min_p, specs[r].u};
+  const int64_t bytes = rows * static_cast<int64_t>(sizeof(cuda::DevSampleSpec));
+  Tensor d_specs = alloc(DType::kU8, {bytes});
+  Tensor d_ids = alloc(DType::kI32, {rows});
+  CUDA_CHECK(cudaMemcpyAsync(d_specs.data<uint8_t>(), h.data(), bytes, cudaMemcpyHostToDevice, impl_->stream));
+  cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
+                      d_ids.data<int32_t>(), impl_->stream);
+  std::vector<int32_t> ids(rows);
+  CUDA_CHECK(cudaMemcpyAsync(ids.data(), d_ids.data<int32_t>(), rows * 4, cudaMemcpyDeviceToHost, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  return ids;
 }
 
 // ---- WeightFactory -------------------------------------------------------------------------------

@@ -58,17 +58,21 @@ class CudaBackend final : public Backend, public WeightFactory {
 
   Tensor embedding(const Weight& table, const BatchInfo& b) override;
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
+  Tensor add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) override;
   Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) override;
   void rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) override;
   Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
                    const AttentionParams& p) override;
+  Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                           const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                      const GluParams& glu) override;
   Tensor swiglu(const Tensor& gate, const Tensor& up) override;
   void add(Tensor& x, const Tensor& y) override;
   Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
+  std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
 
   // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
   // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine.
