@@ -45,8 +45,7 @@ struct Fp4Fmt;
 template <>
 struct Fp4Fmt<WKind::kMXFP4> {
   static constexpr int kBs = 32;       // elements per scale block
-  static constexpr int kSteps = 8;     // k16 MMA steps per group (4 blocks x kBs / 16 / 4 lanes... = kBs / 4)
-  static constexpr int kDepth = 3;     // groups of loads per warp in flight (1 KiB each)
+  static constexpr int kSteps = 8;     // k16 MMA steps per group: each lane walks its block 4 elements a step
   using Codes = uint4;                 // one lane's block of one row: 16 bytes
   // E8M0: 2^(c - 127) is the float with exponent field c. Code 0 (2^-127, a float subnormal) decodes as 0
   // and code 255 (NaN) as infinity: neither occurs in a real checkpoint's weights.
@@ -56,7 +55,6 @@ template <>
 struct Fp4Fmt<WKind::kNVFP4> {
   static constexpr int kBs = 16;
   static constexpr int kSteps = 4;
-  static constexpr int kDepth = 4;     // 512 B per group per warp: more groups
   using Codes = uint2;
   // UE4M3 exactly, subnormals included: the 7 code bits at float bits 20..26 make ue4m3 * 2^-120 (an
   // fp32 subnormal for code exponent 0), times 2^120. The per-tensor global scale is applied per output.
@@ -113,53 +111,58 @@ __device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
-// All threads of the block: stage m tokens of x (row t at x + t * ld, k floats) into smem; unscale[t] gets
-// 2^14 (the weights' decode factor) * 2^-s. `red` is kMaxWarps floats of scratch. Ends with a barrier.
-constexpr int kMaxWarps = 16;
+// All threads of the block: stage m <= kMaxTokens tokens of x (row t at x + t * ld, k floats) into smem;
+// unscale[t] gets 2^14 (the weights' decode factor) * 2^-s_t. `red` is kMaxWarps * kMaxTokens floats of
+// scratch. Two barriers for all tokens (the maxima are reduced together); ends with a barrier.
+constexpr int kMaxWarps = 16, kMaxTokens = 8;
 __device__ void stage_x(const float* __restrict__ x, int64_t ld, int m, int k, int bs, uint16_t* smem, float* red,
                         float* unscale) {
   const int kp = padded_k(k, bs), nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = threadIdx.x; i < kp / 8; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  // Pass 1: max |x| of every token -> power-of-two prescales.
   for (int t = 0; t < m; ++t) {
     const float* xt = x + t * ld;
-    // Pass 1: max |x| -> power-of-two prescale.
     float mx = 0.0f;
     for (int i = threadIdx.x; i < k / 4; i += blockDim.x) {
       const float4 v = __ldg(reinterpret_cast<const float4*>(xt) + i);
       mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
     mx = warp_max(mx);
-    __syncthreads();  // red is free (the previous token's readers are done)
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = 0.0f;
-    for (int q = 0; q < nw; ++q) mx = fmaxf(mx, red[q]);
+    if (lane == 0) red[t * kMaxWarps + warp] = mx;
+  }
+  __syncthreads();
+  if (threadIdx.x < m) {
+    float mx = 0.0f;
+    for (int q = 0; q < nw; ++q) mx = fmaxf(mx, red[threadIdx.x * kMaxWarps + q]);
     int e = 0;
     if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
     const int sh = max(-120, min(120, 15 - e));
-    const float pre = ldexpf(1.0f, sh);
-    if (threadIdx.x == 0) unscale[t] = ldexpf(1.0f, -sh) * 16384.0f;
-    // Pass 2: octets -> hi and lo halves in the permuted order.
-    uint4* hi = reinterpret_cast<uint4*>(smem + static_cast<size_t>(1 + 2 * t) * kp);
-    uint4* lo = reinterpret_cast<uint4*>(smem + static_cast<size_t>(2 + 2 * t) * kp);
-    for (int o = threadIdx.x; o < kp / 8; o += blockDim.x) {
-      float v[8] = {};
-      if (8 * o < k) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(xt + 8 * o));
-        const float4 b = __ldg(reinterpret_cast<const float4*>(xt + 8 * o) + 1);
-        v[0] = a.x * pre, v[1] = a.y * pre, v[2] = a.z * pre, v[3] = a.w * pre;
-        v[4] = b.x * pre, v[5] = b.y * pre, v[6] = b.z * pre, v[7] = b.w * pre;
-      }
-      uint32_t h[4], l[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // halves 2i, 2i + 1 of the octet = elements i, i + 4
-        const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
-        h[i] = pack_half2(h0, h1);
-        l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
-      }
-      hi[o] = make_uint4(h[0], h[1], h[2], h[3]);
-      lo[o] = make_uint4(l[0], l[1], l[2], l[3]);
+    red[threadIdx.x * kMaxWarps] = ldexpf(1.0f, sh);  // the prescale, read below
+    unscale[threadIdx.x] = ldexpf(1.0f, -sh) * 16384.0f;
+  }
+  __syncthreads();
+  // Pass 2: octets -> hi and lo halves in the permuted order.
+  const int octets = kp / 8;
+  for (int f = threadIdx.x; f < m * octets; f += blockDim.x) {
+    const int t = f / octets, o = f % octets;
+    const float* xt = x + t * ld;
+    const float pre = red[t * kMaxWarps];
+    float v[8] = {};
+    if (8 * o < k) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(xt + 8 * o));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(xt + 8 * o) + 1);
+      v[0] = a.x * pre, v[1] = a.y * pre, v[2] = a.z * pre, v[3] = a.w * pre;
+      v[4] = b.x * pre, v[5] = b.y * pre, v[6] = b.z * pre, v[7] = b.w * pre;
     }
+    uint32_t h[4], l[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // halves 2i, 2i + 1 of the octet = elements i, i + 4
+      const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
+      h[i] = pack_half2(h0, h1);
+      l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
+    }
+    reinterpret_cast<uint4*>(smem + static_cast<size_t>(1 + 2 * t) * kp)[o] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(smem + static_cast<size_t>(2 + 2 * t) * kp)[o] = make_uint4(l[0], l[1], l[2], l[3]);
   }
   __syncthreads();
 }
@@ -184,40 +187,12 @@ __device__ __forceinline__ LaneRows lane_rows(const DevPart& pa, int ra, const D
   return r;
 }
 
-// One group's loads for a lane: codes of rows A and B, and the 4 scale codes it applies.
+// One group's data for a lane: codes of rows A and B, and the 4 scale codes it applies.
 template <WKind K>
 struct GroupData {
   typename Fp4Fmt<K>::Codes a, b;
   uint32_t sa0, sa1, sb0, sb1;
 };
-
-// A whole group (every block inside k): plain loads at immediate offsets from the running pointers.
-template <WKind K>
-__device__ __forceinline__ void load_full(GroupData<K>& d, const LaneRows& r, int i) {
-  using F = Fp4Fmt<K>;
-  using C = typename F::Codes;
-  d.a = __ldg(reinterpret_cast<const C*>(r.codes[0] + i * 2 * F::kBs));
-  d.b = __ldg(reinterpret_cast<const C*>(r.codes[1] + i * 2 * F::kBs));
-  d.sa0 = __ldg(r.scales[0] + 4 * i), d.sa1 = __ldg(r.scales[0] + 4 * i + 1);
-  d.sb0 = __ldg(r.scales[1] + 4 * i), d.sb1 = __ldg(r.scales[1] + 4 * i + 1);
-}
-
-// The last group when k does not fill it: blocks past k read as zero codes and zero scales.
-template <WKind K>
-__device__ __forceinline__ void load_tail(GroupData<K>& d, const LaneRows& r, int grp, int n_blocks) {
-  using F = Fp4Fmt<K>;
-  using C = typename F::Codes;
-  const int t = threadIdx.x & 3, bb = 2 * (t & 1), blk = 4 * grp + t, sb = 4 * grp + bb;
-  d.a = d.b = C{};
-  if (blk < n_blocks) {
-    d.a = __ldg(reinterpret_cast<const C*>(r.codes[0]));
-    d.b = __ldg(reinterpret_cast<const C*>(r.codes[1]));
-  }
-  d.sa0 = sb < n_blocks ? __ldg(r.scales[0]) : 0u;
-  d.sb0 = sb < n_blocks ? __ldg(r.scales[1]) : 0u;
-  d.sa1 = sb + 1 < n_blocks ? __ldg(r.scales[0] + 1) : 0u;
-  d.sb1 = sb + 1 < n_blocks ? __ldg(r.scales[1] + 1) : 0u;
-}
 
 __device__ __forceinline__ void advance(LaneRows& r, int groups, int bs) {
   r.codes[0] += groups * 2 * bs, r.codes[1] += groups * 2 * bs;
@@ -259,49 +234,76 @@ __device__ __forceinline__ void compute_group(const GroupData<K>& d, const uint3
   }
 }
 
-// Groups [g0, g1) of one tile for this lane (r points at group 0). kDepth groups of loads are in flight:
-// the buffer of group i is refilled with group i + kDepth right after it is consumed, so kDepth - 1 stay
-// in flight during each group's math. The loop runs over whole groups; a partial last group (k not a
-// multiple of 4 blocks) is done once at the end with predicated loads.
-template <WKind K, int M>
-__device__ __forceinline__ void tile_dot(LaneRows r, const uint32_t (&bptr)[M], int g0, int g1, int n_blocks,
-                                         float (&acc)[M][2]) {
+// A lane's next groups in flight: codes and scales in a register ring S groups deep. start(...) issues
+// the first S groups of [g0, g1) and needs only the weights, not the activations, so kernels call it
+// before waiting for the previous kernel and staging x (the weight latency overlaps both); run(...)
+// consumes group g from stage (g - g0) % S and refills that stage with group g + S. (A cp.async ring in
+// shared memory, 4-6 groups deep, measured slower: ~30 more instructions per group, no occupancy gained;
+// bench/NOTES.md.)
+// A group's loads into registers. Whole groups (all but maybe the last) load unpredicated at immediate
+// offsets from the running pointers; in a partial last group, blocks past k read as zero codes and scales.
+template <WKind K>
+__device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, int n_blocks, GroupData<K>& d) {
   using F = Fp4Fmt<K>;
-  constexpr int D = M >= 8 ? 1 : M >= 4 ? 2 : F::kDepth;  // many tokens: their accumulators take the registers
-  const int gf = min(g1, n_blocks / 4);  // end of the whole groups in [g0, g1)
-  advance(r, g0, F::kBs);
-  GroupData<K> buf[D];
-#pragma unroll
-  for (int i = 0; i < D; ++i)
-    if (g0 + i < gf) load_full<K>(buf[i], r, i);
-  int g = g0;
-  for (; g < gf; g += D) {
-#pragma unroll
-    for (int i = 0; i < D; ++i) {
-      if (g + i < gf) {
-        compute_group<K, M>(buf[i], bptr, g + i, acc);
-        if (g + i + D < gf) load_full<K>(buf[i], r, i + D);
-      }
-    }
-    advance(r, D, F::kBs);
+  using C = typename F::Codes;
+  const int64_t co = static_cast<int64_t>(rel) * 2 * F::kBs, so = static_cast<int64_t>(rel) * 4;
+  const bool whole = 4 * grp + 4 <= n_blocks;
+  const int t = threadIdx.x & 3, bb = 2 * (t & 1), sb = 4 * grp + bb;
+  if (whole) {
+    d.a = __ldg(reinterpret_cast<const C*>(r.codes[0] + co));
+    d.b = __ldg(reinterpret_cast<const C*>(r.codes[1] + co));
+    d.sa0 = __ldg(r.scales[0] + so), d.sa1 = __ldg(r.scales[0] + so + 1);
+    d.sb0 = __ldg(r.scales[1] + so), d.sb1 = __ldg(r.scales[1] + so + 1);
+    return;
   }
-  if (gf < g1) {  // the partial last group
-    advance(r, gf - g, F::kBs);
-    GroupData<K> d;
-    load_tail<K>(d, r, gf, n_blocks);
-    compute_group<K, M>(d, bptr, gf, acc);
+  d.a = d.b = C{};
+  if (4 * grp + t < n_blocks) {
+    d.a = __ldg(reinterpret_cast<const C*>(r.codes[0] + co));
+    d.b = __ldg(reinterpret_cast<const C*>(r.codes[1] + co));
   }
+  d.sa0 = sb < n_blocks ? __ldg(r.scales[0] + so) : 0u;
+  d.sa1 = sb + 1 < n_blocks ? __ldg(r.scales[0] + so + 1) : 0u;
+  d.sb0 = sb < n_blocks ? __ldg(r.scales[1] + so) : 0u;
+  d.sb1 = sb + 1 < n_blocks ? __ldg(r.scales[1] + so + 1) : 0u;
 }
 
+template <WKind K, int S>
+struct RegPipe {
+  LaneRows r;
+  GroupData<K> buf[S];
+  int g0, g1, n_blocks;
+
+  __device__ __forceinline__ void start(LaneRows rows, int first, int end, int nb) {
+    advance(rows, first, Fp4Fmt<K>::kBs);
+    r = rows, g0 = first, g1 = end, n_blocks = nb;
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (g0 + i < g1) load_group<K>(r, i, g0 + i, n_blocks, buf[i]);
+  }
+  template <int M>
+  __device__ __forceinline__ void run(const uint32_t (&bptr)[M], float (&acc)[M][2]) {
+    for (int g = g0; g < g1; g += S) {
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        if (g + i >= g1) break;
+        compute_group<K, M>(buf[i], bptr, g + i, acc);
+        if (g + i + S < g1) load_group<K>(r, i + S, g + i + S, n_blocks, buf[i]);
+      }
+      advance(r, S, Fp4Fmt<K>::kBs);
+    }
+  }
+};
+
 // Per-lane B pointers: lane (g, t) feeds MMA column g, non-zero only for g == t (hi) and g == t + 4 (lo).
+// Tokens first_token .. first_token + M - 1 of the staged ones.
 template <WKind K, int M>
-__device__ __forceinline__ void b_pointers(const uint16_t* smem, int kp, uint32_t (&bptr)[M]) {
+__device__ __forceinline__ void b_pointers(const uint16_t* smem, int kp, int first_token, uint32_t (&bptr)[M]) {
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int region_of_token = g == t ? 1 : g == t + 4 ? 2 : 0;  // 1 + 2 tok: hi, 2 + 2 tok: lo, 0: zeros
 #pragma unroll
   for (int tok = 0; tok < M; ++tok) {
-    const int region = region_of_token == 0 ? 0 : region_of_token + 2 * tok;
+    const int region = region_of_token == 0 ? 0 : region_of_token + 2 * (first_token + tok);
     bptr[tok] = base + static_cast<uint32_t>(region * kp + t * Fp4Fmt<K>::kBs) * 2;
   }
 }
@@ -322,33 +324,47 @@ __device__ __forceinline__ float global_factor(const DevPart& p, WKind kind) {
 // ---- Plain linear ------------------------------------------------------------------------------------------
 // Grid: blocks loop over tile sets of kWarps / ksplit tiles; ksplit warps share a tile's groups and meet in
 // shared memory in a fixed order. Dynamic smem: the staged tokens.
-template <WKind K, int M>
+template <WKind K, int M, class Pipe>
 __global__ void __launch_bounds__(kWarps * 32, M <= 2 ? 3 : 2)
     fp4_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x, int m,
                       const float* __restrict__ bias, float* __restrict__ y, int ksplit) {
   using F = Fp4Fmt<K>;
   extern __shared__ uint4 smem_x[];
   __shared__ float red[kWarps][M][16];
-  __shared__ float scratch[kMaxWarps];
+  __shared__ float scratch[kMaxWarps * kMaxTokens];
   __shared__ float unscale[M];
   uint16_t* sx = reinterpret_cast<uint16_t*>(smem_x);
-  pdl_wait();  // x comes from the previous kernel on the stream (see launch_pdl)
-  stage_x(x, w.k, m, w.k, F::kBs, sx, scratch, unscale);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint32_t bptr[M];
-  b_pointers<K, M>(sx, padded_k(w.k, F::kBs), bptr);
   const int n = w.n, n_blocks = w.k / F::kBs, n_groups = (n_blocks + 3) / 4;
   const int tpb = kWarps / ksplit, part = warp % ksplit;
   const int gpp = (n_groups + ksplit - 1) / ksplit, g0 = min(n_groups, part * gpp), g1 = min(n_groups, g0 + gpp);
   const int n_tiles = (n + 15) / 16, n_sets = (n_tiles + tpb - 1) / tpb;
+  Pipe pipe;
+  // The first tile's weights start streaming before the activations exist (they do not come from the
+  // previous kernel), then x is staged.
+  auto start_tile = [&](int set, int& ra, int& rb) -> bool {
+    const int tile = set * tpb + warp / ksplit;
+    ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+    if (tile >= n_tiles) return false;
+    int pa = ra, pb = rb;
+    const DevPart& da = find_part(w, pa);
+    const DevPart& db = find_part(w, pb);
+    pipe.start(lane_rows<K>(da, pa, db, pb, w.k), g0, g1, n_blocks);
+    return true;
+  };
+  int ra = 0, rb = 0;
+  bool live = blockIdx.x < n_sets && start_tile(blockIdx.x, ra, rb);
+  pdl_wait();  // x comes from the previous kernel on the stream (see launch_pdl)
+  stage_x(x, w.k, m, w.k, F::kBs, sx, scratch, unscale);
+  uint32_t bptr[M];
+  b_pointers<K, M>(sx, padded_k(w.k, F::kBs), 0, bptr);
   for (int set = blockIdx.x; set < n_sets; set += gridDim.x) {  // uniform over the block: it synchronizes
+    if (set != blockIdx.x) live = start_tile(set, ra, rb);
     const int tile = set * tpb + warp / ksplit;
     float acc[M][2] = {};
-    int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
-    const DevPart& pa = find_part(w, ra);
-    const DevPart& pb = find_part(w, rb);
-    if (tile < n_tiles) tile_dot<K, M>(lane_rows<K>(pa, ra, pb, rb, w.k), bptr, g0, g1, n_blocks, acc);
-    const float fa = global_factor(pa, K), fb = global_factor(pb, K);
+    if (live) pipe.template run<M>(bptr, acc);
+    int pa = ra, pb = rb;
+    const float fa = global_factor(find_part(w, pa), K), fb = global_factor(find_part(w, pb), K);
 #pragma unroll
     for (int tok = 0; tok < M; ++tok) {
       sum_lanes(acc[tok]);
@@ -356,7 +372,7 @@ __global__ void __launch_bounds__(kWarps * 32, M <= 2 ? 3 : 2)
     }
     const int row = tile * 16 + g;
     if (ksplit == 1) {  // lane t == 0 of each row group writes its rows g and g + 8
-      if (t == 0 && tile < n_tiles) {
+      if (t == 0 && live) {
 #pragma unroll
         for (int tok = 0; tok < M; ++tok) {
           if (tok >= m) break;
@@ -389,17 +405,16 @@ __global__ void __launch_bounds__(kWarps * 32, M <= 2 ? 3 : 2)
 // ---- MoE fc1 + GLU --------------------------------------------------------------------------------------
 // Grid (blocks over tile sets, pairs). A tile is 8 outputs j: lane (g, t)'s row A is gate(j0 + g) and its
 // row B is up(j0 + g) in either layout, so the GLU happens in the lane that holds both sums.
-template <WKind K>
+template <WKind K, class Pipe>
 __global__ void __launch_bounds__(kWarps * 32, 3)
     fp4_moe_fc1_kernel(ExpertTable tab, const int32_t* __restrict__ ids, int n_pairs, int top_k,
                        const float* __restrict__ x, Glu glu, float limit, float* __restrict__ act, int ksplit) {
   using F = Fp4Fmt<K>;
   extern __shared__ uint4 smem_x[];
   __shared__ float red[kWarps][16];
-  __shared__ float scratch[kMaxWarps];
+  __shared__ float scratch[kMaxWarps * kMaxTokens];
   __shared__ float unscale[1];
   uint16_t* sx = reinterpret_cast<uint16_t*>(smem_x);
-  pdl_wait();  // x and ids come from the previous kernels on the stream (see launch_pdl)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int d = tab.d_expert, k = tab.d_model, n_blocks = k / F::kBs, n_groups = (n_blocks + 3) / 4;
   const bool interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
@@ -407,22 +422,34 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   const int gpp = (n_groups + ksplit - 1) / ksplit, g0 = min(n_groups, part * gpp), g1 = min(n_groups, g0 + gpp);
   const int n_tiles = (d + 7) / 8, n_sets = (n_tiles + tpb - 1) / tpb;
   uint32_t bptr[1];
-  b_pointers<K, 1>(sx, padded_k(k, F::kBs), bptr);
+  b_pointers<K, 1>(sx, padded_k(k, F::kBs), 0, bptr);
+  pdl_wait();  // x and ids come from the previous kernels on the stream (see launch_pdl)
   for (int p = blockIdx.y; p < n_pairs; p += gridDim.y) {
     const int e = ids[p];
     const DevWeight& w = tab.fc1[e];
-    __syncthreads();  // the previous pair's readers of the staged x are done
-    stage_x(x + static_cast<int64_t>(p / top_k) * k, k, 1, k, F::kBs, sx, scratch, unscale);
-    for (int set = blockIdx.x; set < n_sets; set += gridDim.x) {
+    Pipe pipe;
+    int ga = 0, gb = 0;  // this lane's gate and up rows of the current tile
+    auto start_tile = [&](int set) -> bool {
       const int tile = set * tpb + warp / ksplit, j = min(tile * 8 + g, d - 1);
-      const int ga = interleaved ? 2 * j : j, gb = interleaved ? 2 * j + 1 : d + j;  // gate and up rows
+      ga = interleaved ? 2 * j : j, gb = interleaved ? 2 * j + 1 : d + j;
+      if (tile >= n_tiles) return false;
       int ra = ga, rb = gb;
       const DevPart& pa = find_part(w, ra);
       const DevPart& pb = find_part(w, rb);
+      pipe.start(lane_rows<K>(pa, ra, pb, rb, k), g0, g1, n_blocks);
+      return true;
+    };
+    bool live = blockIdx.x < n_sets && start_tile(blockIdx.x);
+    __syncthreads();  // the previous pair's readers of the staged x are done
+    stage_x(x + static_cast<int64_t>(p / top_k) * k, k, 1, k, F::kBs, sx, scratch, unscale);
+    for (int set = blockIdx.x; set < n_sets; set += gridDim.x) {
+      if (set != blockIdx.x) live = start_tile(set);
+      const int tile = set * tpb + warp / ksplit, j = tile * 8 + g;
       float acc[1][2] = {};
-      if (tile < n_tiles) tile_dot<K, 1>(lane_rows<K>(pa, ra, pb, rb, k), bptr, g0, g1, n_blocks, acc);
+      if (live) pipe.template run<1>(bptr, acc);
       sum_lanes(acc[0]);
-      float gate = acc[0][0] * global_factor(pa, K), up = acc[0][1] * global_factor(pb, K);
+      int ra = ga, rb = gb;
+      float gate = acc[0][0] * global_factor(find_part(w, ra), K), up = acc[0][1] * global_factor(find_part(w, rb), K);
       if (ksplit > 1) {
         if (t == 0) red[warp][g] = gate, red[warp][g + 8] = up;
         __syncthreads();
@@ -431,7 +458,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
         }
         __syncthreads();
       }
-      if (part == 0 && t == 0 && tile < n_tiles && tile * 8 + g < d) {
+      if (part == 0 && t == 0 && tile < n_tiles && j < d) {
         gate *= unscale[0], up *= unscale[0];
         if (tab.fc1_bias) {
           gate += tab.fc1_bias[static_cast<int64_t>(e) * 2 * d + ga];
@@ -456,17 +483,16 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
 // ksplit parts of k; the block stages the round's activation rows once and loops over its tiles. top_k
 // choices take ceil(top_k / per_round) rounds (one for gpt-oss and qwen3); a round adds to y in a fixed
 // order, so the sum is deterministic.
-template <WKind K>
-__global__ void __launch_bounds__(kFc2Warps * 32, 1)
+template <WKind K, class Pipe>
+__global__ void __launch_bounds__(kFc2Warps * 32, 2)
     fp4_moe_fc2_kernel(ExpertTable tab, const int32_t* __restrict__ ids, const float* __restrict__ weights,
                        int n_tokens, int top_k, const float* __restrict__ act, float* __restrict__ y, int ksplit,
                        int per_round) {
   using F = Fp4Fmt<K>;
   extern __shared__ uint4 smem_x[];
   __shared__ float red[kFc2Warps][16];
-  __shared__ float scratch[kMaxWarps];
-  __shared__ float unscale[kFc2Warps];
-  pdl_wait();  // act, ids and weights come from the previous kernels on the stream
+  __shared__ float scratch[kMaxWarps * kMaxTokens];
+  __shared__ float unscale[kMaxTokens];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n = tab.d_model, k = tab.d_expert, n_blocks = k / F::kBs, n_groups = (n_blocks + 3) / 4;
   const int c = warp / ksplit, part = warp % ksplit;  // this warp's choice within the round, its k part
@@ -474,26 +500,34 @@ __global__ void __launch_bounds__(kFc2Warps * 32, 1)
   const int n_tiles = (n + 15) / 16, kp = padded_k(k, F::kBs);
   uint16_t* sx = reinterpret_cast<uint16_t*>(smem_x);
   uint32_t bptr[1];
-  b_pointers<K, 1>(sx + static_cast<size_t>(c) * 3 * kp, kp, bptr);
+  b_pointers<K, 1>(sx, kp, c, bptr);
+  pdl_wait();  // act, ids and weights come from the previous kernels on the stream
   for (int tok = blockIdx.y; tok < n_tokens; tok += gridDim.y) {
     for (int r0 = 0; r0 < top_k; r0 += per_round) {
       const int in_round = min(per_round, top_k - r0);
-      __syncthreads();  // the previous round's readers are done
-      for (int i = 0; i < in_round; ++i)
-        stage_x(act + (static_cast<int64_t>(tok) * top_k + r0 + i) * k, k, 1, k, F::kBs, sx + static_cast<size_t>(i) * 3 * kp,
-                scratch, unscale + i);
       const int pc = tok * top_k + r0 + c;  // this warp's (token, choice) pair
       const DevWeight* w = c < in_round ? &tab.fc2[ids[pc]] : nullptr;
+      Pipe pipe;
+      auto start_tile = [&](int tile) -> bool {
+        if (!w || tile >= n_tiles) return false;
+        int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+        const DevPart& pa = find_part(*w, ra);
+        const DevPart& pb = find_part(*w, rb);
+        pipe.start(lane_rows<K>(pa, ra, pb, rb, k), g0, g1, n_blocks);
+        return true;
+      };
+      bool live = start_tile(blockIdx.x);
+      __syncthreads();  // the previous round's readers are done
+      stage_x(act + (static_cast<int64_t>(tok) * top_k + r0) * k, k, in_round, k, F::kBs, sx, scratch, unscale);
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        if (tile != blockIdx.x) live = start_tile(tile);
         float v[2] = {};
-        if (w) {
-          int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
-          const DevPart& pa = find_part(*w, ra);
-          const DevPart& pb = find_part(*w, rb);
+        if (live) {
           float acc[1][2] = {};
-          tile_dot<K, 1>(lane_rows<K>(pa, ra, pb, rb, k), bptr, g0, g1, n_blocks, acc);
+          pipe.template run<1>(bptr, acc);
           sum_lanes(acc[0]);
-          v[0] = acc[0][0] * global_factor(pa, K), v[1] = acc[0][1] * global_factor(pb, K);
+          int ra = min(tile * 16 + g, n - 1), rb = min(tile * 16 + g + 8, n - 1);
+          v[0] = acc[0][0] * global_factor(find_part(*w, ra), K), v[1] = acc[0][1] * global_factor(find_part(*w, rb), K);
         }
         if (t == 0) red[warp][g] = v[0], red[warp][g + 8] = v[1];
         __syncthreads();
@@ -557,10 +591,18 @@ int choose_ksplit(int64_t units, int n_groups, int resident_warps, int max_split
   return 1;
 }
 
-template <WKind K, int M>
+// Register ring depths: what the kernels' register budgets (80 per thread: 3 blocks of 8 warps per SM;
+// fc2: 64) hold without spilling in the main loop.
+template <WKind K>
+struct Pipes {
+  using Linear = RegPipe<K, K == WKind::kMXFP4 ? 3 : 4>;
+  using Fc2 = RegPipe<K, 2>;
+};
+
+template <WKind K, int M, class Pipe>
 bool linear_for(const DevWeight& w, const float* x, int m, const float* bias, float* y, cudaStream_t s) {
   using F = Fp4Fmt<K>;
-  auto kernel = fp4_linear_kernel<K, M>;
+  auto kernel = fp4_linear_kernel<K, M, Pipe>;
   const size_t smem = stage_bytes(M, w.k, F::kBs);
   if (!fits_smem(kernel, smem)) return false;
   const int resident = resident_blocks(kernel, kWarps * 32, smem);
@@ -572,13 +614,18 @@ bool linear_for(const DevWeight& w, const float* x, int m, const float* bias, fl
   return true;
 }
 
+template <WKind K, int M>
+bool linear_pipe(const DevWeight& w, const float* x, int m, const float* bias, float* y, cudaStream_t s) {
+  return linear_for<K, M, typename Pipes<K>::Linear>(w, x, m, bias, y, s);
+}
+
 template <WKind K>
 bool linear_kind(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s) {
   const int mm = static_cast<int>(m);
-  if (m == 1) return linear_for<K, 1>(w, x, mm, bias, y, s);
-  if (m == 2) return linear_for<K, 2>(w, x, mm, bias, y, s);
-  if (m <= 4) return linear_for<K, 4>(w, x, mm, bias, y, s);
-  return linear_for<K, 8>(w, x, mm, bias, y, s);
+  if (m == 1) return linear_pipe<K, 1>(w, x, mm, bias, y, s);
+  if (m == 2) return linear_pipe<K, 2>(w, x, mm, bias, y, s);
+  if (m <= 4) return linear_pipe<K, 4>(w, x, mm, bias, y, s);
+  return linear_pipe<K, 8>(w, x, mm, bias, y, s);
 }
 
 // NIBBLE_FP4_MMA=0 turns these kernels off (the CUDA-core kernels of gemv.cu run instead): a measurement
@@ -593,11 +640,11 @@ bool enabled() {
 
 bool fp4_ok(WKind kind) { return enabled() && (kind == WKind::kMXFP4 || kind == WKind::kNVFP4); }
 
-template <WKind K>
-bool moe_fc1_kind(const ExpertTable& t, const int32_t* ids, int n_pairs, int top_k, const float* x, Glu glu,
-                  float limit, float* act, cudaStream_t s) {
+template <WKind K, class Pipe>
+bool moe_fc1_for(const ExpertTable& t, const int32_t* ids, int n_pairs, int top_k, const float* x, Glu glu,
+                 float limit, float* act, cudaStream_t s) {
   using F = Fp4Fmt<K>;
-  auto kernel = fp4_moe_fc1_kernel<K>;
+  auto kernel = fp4_moe_fc1_kernel<K, Pipe>;
   const size_t smem = stage_bytes(1, t.d_model, F::kBs);
   if (!fits_smem(kernel, smem)) return false;
   const int resident = resident_blocks(kernel, kWarps * 32, smem);
@@ -612,16 +659,16 @@ bool moe_fc1_kind(const ExpertTable& t, const int32_t* ids, int n_pairs, int top
   return true;
 }
 
-template <WKind K>
-bool moe_fc2_kind(const ExpertTable& t, const int32_t* ids, const float* weights, int n_tokens, int top_k,
-                  const float* act, float* y, cudaStream_t s) {
+template <WKind K, class Pipe>
+bool moe_fc2_for(const ExpertTable& t, const int32_t* ids, const float* weights, int n_tokens, int top_k,
+                 const float* act, float* y, cudaStream_t s) {
   using F = Fp4Fmt<K>;
-  auto kernel = fp4_moe_fc2_kernel<K>;
+  auto kernel = fp4_moe_fc2_kernel<K, Pipe>;
   // Choices per round: all top_k when they fit the warps and shared memory, else fewer.
-  int per_round = std::min(top_k, kFc2Warps);
-  while (per_round > 1 && stage_bytes(1, t.d_expert, F::kBs) * per_round + 1024 > static_cast<size_t>(limits().smem_optin) / 2)
-    per_round /= 2;
-  const size_t smem = stage_bytes(1, t.d_expert, F::kBs) * per_round;
+  int per_round = std::min({top_k, kFc2Warps, kMaxTokens});
+  auto bytes = [&](int pr) { return stage_bytes(pr, t.d_expert, F::kBs); };
+  while (per_round > 1 && bytes(per_round) + 4096 > static_cast<size_t>(limits().smem_optin)) per_round /= 2;
+  const size_t smem = bytes(per_round);
   if (!fits_smem(kernel, smem)) return false;
   const int n_groups = (t.d_expert / F::kBs + 3) / 4;
   int ks = 1;
@@ -633,6 +680,17 @@ bool moe_fc2_kind(const ExpertTable& t, const int32_t* ids, const float* weights
   launch_pdl(kernel, grid, kFc2Warps * 32, smem, s, t, ids, weights, n_tokens, top_k, act, y, ks, per_round);
   CUDA_CHECK(cudaGetLastError());
   return true;
+}
+
+template <WKind K>
+bool moe_fc1_kind(const ExpertTable& t, const int32_t* ids, int n_pairs, int top_k, const float* x, Glu glu,
+                  float limit, float* act, cudaStream_t s) {
+  return moe_fc1_for<K, typename Pipes<K>::Linear>(t, ids, n_pairs, top_k, x, glu, limit, act, s);
+}
+template <WKind K>
+bool moe_fc2_kind(const ExpertTable& t, const int32_t* ids, const float* weights, int n_tokens, int top_k,
+                  const float* act, float* y, cudaStream_t s) {
+  return moe_fc2_for<K, typename Pipes<K>::Fc2>(t, ids, weights, n_tokens, top_k, act, y, s);
 }
 
 }  // namespace
