@@ -191,7 +191,7 @@ __device__ __forceinline__ LaneRows lane_rows(const DevPart& pa, int ra, const D
 template <WKind K>
 struct GroupData {
   typename Fp4Fmt<K>::Codes a, b;
-  uint32_t sa0, sa1, sb0, sb1;
+  uint32_t sa, sb;  // rows A and B: scale codes of the lane's blocks bb (bits 0..7) and bb + 1 (8..15)
 };
 
 __device__ __forceinline__ void advance(LaneRows& r, int groups, int bs) {
@@ -226,7 +226,8 @@ __device__ __forceinline__ void compute_group(const GroupData<K>& d, const uint3
       mma16816(c[t], a, b.x, b.y);
     }
   }
-  const float fa0 = F::factor(d.sa0), fa1 = F::factor(d.sa1), fb0 = F::factor(d.sb0), fb1 = F::factor(d.sb1);
+  const float fa0 = F::factor(d.sa & 0xffu), fa1 = F::factor(d.sa >> 8), fb0 = F::factor(d.sb & 0xffu),
+              fb1 = F::factor(d.sb >> 8);
 #pragma unroll
   for (int t = 0; t < M; ++t) {
     acc[t][0] = fmaf(c[t][0], fa0, fmaf(c[t][1], fa1, acc[t][0]));
@@ -242,8 +243,13 @@ __device__ __forceinline__ void compute_group(const GroupData<K>& d, const uint3
 // bench/NOTES.md.)
 // A group's loads into registers. Whole groups (all but maybe the last) load unpredicated at immediate
 // offsets from the running pointers; in a partial last group, blocks past k read as zero codes and scales.
+// A lane's two scale bytes per row are adjacent: one 16-bit load when every lane's are 2-byte aligned
+// (`pairs`, warp-uniform: k / bs even and aligned scale tensors, i.e. every shape in use), which halves
+// the scale loads; each scale load touches 8 or 16 rows' sectors, so they cost L1 wavefronts like
+// the code loads that carry 16 times the bytes.
 template <WKind K>
-__device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, int n_blocks, GroupData<K>& d) {
+__device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, int n_blocks, bool pairs,
+                                           GroupData<K>& d) {
   using F = Fp4Fmt<K>;
   using C = typename F::Codes;
   const int64_t co = static_cast<int64_t>(rel) * 2 * F::kBs, so = static_cast<int64_t>(rel) * 4;
@@ -252,8 +258,13 @@ __device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, 
   if (whole) {
     d.a = __ldg(reinterpret_cast<const C*>(r.codes[0] + co));
     d.b = __ldg(reinterpret_cast<const C*>(r.codes[1] + co));
-    d.sa0 = __ldg(r.scales[0] + so), d.sa1 = __ldg(r.scales[0] + so + 1);
-    d.sb0 = __ldg(r.scales[1] + so), d.sb1 = __ldg(r.scales[1] + so + 1);
+    if (pairs) {
+      d.sa = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + so));
+      d.sb = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + so));
+    } else {
+      d.sa = __ldg(r.scales[0] + so) | (static_cast<uint32_t>(__ldg(r.scales[0] + so + 1)) << 8);
+      d.sb = __ldg(r.scales[1] + so) | (static_cast<uint32_t>(__ldg(r.scales[1] + so + 1)) << 8);
+    }
     return;
   }
   d.a = d.b = C{};
@@ -261,10 +272,10 @@ __device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, 
     d.a = __ldg(reinterpret_cast<const C*>(r.codes[0] + co));
     d.b = __ldg(reinterpret_cast<const C*>(r.codes[1] + co));
   }
-  d.sa0 = sb < n_blocks ? __ldg(r.scales[0] + so) : 0u;
-  d.sa1 = sb + 1 < n_blocks ? __ldg(r.scales[0] + so + 1) : 0u;
-  d.sb0 = sb < n_blocks ? __ldg(r.scales[1] + so) : 0u;
-  d.sb1 = sb + 1 < n_blocks ? __ldg(r.scales[1] + so + 1) : 0u;
+  d.sa = (sb < n_blocks ? __ldg(r.scales[0] + so) : 0u) |
+         (sb + 1 < n_blocks ? static_cast<uint32_t>(__ldg(r.scales[0] + so + 1)) << 8 : 0u);
+  d.sb = (sb < n_blocks ? __ldg(r.scales[1] + so) : 0u) |
+         (sb + 1 < n_blocks ? static_cast<uint32_t>(__ldg(r.scales[1] + so + 1)) << 8 : 0u);
 }
 
 template <WKind K, int S>
@@ -272,13 +283,16 @@ struct RegPipe {
   LaneRows r;
   GroupData<K> buf[S];
   int g0, g1, n_blocks;
+  bool pairs;
 
   __device__ __forceinline__ void start(LaneRows rows, int first, int end, int nb) {
     advance(rows, first, Fp4Fmt<K>::kBs);
     r = rows, g0 = first, g1 = end, n_blocks = nb;
+    const bool even = ((reinterpret_cast<uintptr_t>(r.scales[0]) | reinterpret_cast<uintptr_t>(r.scales[1])) & 1) == 0;
+    pairs = __all_sync(0xffffffffu, even);
 #pragma unroll
     for (int i = 0; i < S; ++i)
-      if (g0 + i < g1) load_group<K>(r, i, g0 + i, n_blocks, buf[i]);
+      if (g0 + i < g1) load_group<K>(r, i, g0 + i, n_blocks, pairs, buf[i]);
   }
   template <int M>
   __device__ __forceinline__ void run(const uint32_t (&bptr)[M], float (&acc)[M][2]) {
@@ -287,7 +301,7 @@ struct RegPipe {
       for (int i = 0; i < S; ++i) {
         if (g + i >= g1) break;
         compute_group<K, M>(buf[i], bptr, g + i, acc);
-        if (g + i + S < g1) load_group<K>(r, i + S, g + i + S, n_blocks, buf[i]);
+        if (g + i + S < g1) load_group<K>(r, i + S, g + i + S, n_blocks, pairs, buf[i]);
       }
       advance(r, S, Fp4Fmt<K>::kBs);
     }
@@ -593,9 +607,9 @@ int choose_ksplit(int64_t units, int n_groups, int resident_warps, int max_split
 
 // Register ring depths: what the kernels' register budgets (80 per thread: 3 blocks of 8 warps per SM;
 // fc2: 64) hold without spilling in the main loop.
-template <WKind K>
+template <WKind K, int M = 1>
 struct Pipes {
-  using Linear = RegPipe<K, K == WKind::kMXFP4 ? 3 : 4>;
+  using Linear = RegPipe<K, M == 1 ? 4 : M == 2 ? 3 : 2>;  // more tokens: their accumulators take registers
   using Fc2 = RegPipe<K, 2>;
 };
 
@@ -616,7 +630,7 @@ bool linear_for(const DevWeight& w, const float* x, int m, const float* bias, fl
 
 template <WKind K, int M>
 bool linear_pipe(const DevWeight& w, const float* x, int m, const float* bias, float* y, cudaStream_t s) {
-  return linear_for<K, M, typename Pipes<K>::Linear>(w, x, m, bias, y, s);
+  return linear_for<K, M, typename Pipes<K, M>::Linear>(w, x, m, bias, y, s);
 }
 
 template <WKind K>
