@@ -51,7 +51,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     backend = std::make_unique<CpuBackend>(options.n_threads);
   } else {
 #if NIBBLE_HAVE_CUDA
-    NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create({0, options.kv_cache_dtype}));
+    CudaBackendOptions co{0, options.kv_cache_dtype};
+    if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
+    NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {
       NB_ASSIGN_OR_RETURN(CudaLoadStats st, cuda->upload_checkpoint(ckpt));
       NB_LOG_INFO("weights to the GPU: %.2f GB in %.2f s (%.1f GB/s)", st.bytes / 1e9, st.seconds,

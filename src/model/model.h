@@ -24,6 +24,7 @@ struct ModelOptions {
   DType kv_cache_dtype = DType::kBF16;       // kBF16, kF8_E4M3 or kF32
   DenseFormat dense_format = DenseFormat::kKeep;  // re-quantize dense attention projections and lm_head
   bool dummy_weights = false;                // random weights from config.json alone; no safetensors read
+  int prefill_attention_min_tokens = 0;      // > 0: overrides CudaBackendOptions' (tests: 1 = tiled always)
 };
 
 struct KvCacheOptions {

@@ -14,6 +14,7 @@
 #include "backend/cuda/device.h"
 #include "base/log.h"
 #include "kernels/attention.cuh"
+#include "kernels/flash_attention.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/norm_rope.cuh"
@@ -139,6 +140,7 @@ struct CudaBackend::Impl {
   cuda::DevBatch dev_batch;
   const int32_t* d_tokens = nullptr;
   const int32_t* d_logit_rows = nullptr;
+  const int32_t* d_seq_begin = nullptr;  // [n_seqs + 1] token ranges, for prefill attention
   std::vector<int32_t> h_logit_rows;
   std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
 
@@ -245,7 +247,7 @@ struct CudaBackend::Impl {
     int32_t stride = 1;
     for (const SeqInfo& s : b.seqs) stride = std::max<int32_t>(stride, static_cast<int32_t>(s.block_table.size()));
     std::vector<int32_t> h;
-    h.reserve(3 * T + b.logit_rows.size() + b.seqs.size() * stride);
+    h.reserve(3 * T + b.logit_rows.size() + b.seqs.size() * (stride + 1) + 1);
     h.insert(h.end(), b.tokens.begin(), b.tokens.end());
     h.insert(h.end(), b.positions.begin(), b.positions.end());
     h.insert(h.end(), b.seq_of.begin(), b.seq_of.end());
@@ -254,6 +256,8 @@ struct CudaBackend::Impl {
       h.insert(h.end(), s.block_table.begin(), s.block_table.end());
       h.insert(h.end(), stride - s.block_table.size(), 0);
     }
+    for (const SeqInfo& s : b.seqs) h.push_back(s.begin);
+    h.push_back(static_cast<int32_t>(T));
     *stride_out = stride;
     return h;
   }
@@ -267,6 +271,7 @@ struct CudaBackend::Impl {
     d_logit_rows = base + 3 * T;
     h_logit_rows = b.logit_rows;
     dev_batch = cuda::DevBatch{base + T, base + 2 * T, base + 3 * T + b.logit_rows.size(), stride, T};
+    d_seq_begin = dev_batch.tables + b.seqs.size() * stride;
     h_batch = std::move(h);
   }
 
@@ -501,6 +506,20 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   const int64_t want = (8 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
   const cuda::DevBatch& db = impl_->batch(b);
+  // Steps where a sequence brings many query tokens (prefill, chunks) take the tiled tensor-core kernel;
+  // decode keeps the split-context one (a decode token alone fills 1 / group of a tile's rows and walks
+  // its context in one block). Decodes sharing a step with a chunk go through the tiled kernel too.
+  std::vector<int32_t> n_new;
+  for (const SeqInfo& s : b.seqs) n_new.push_back(s.n_new);
+  const int32_t most = n_new.empty() ? 0 : *std::max_element(n_new.begin(), n_new.end());
+  if (most >= impl_->options.prefill_attention_min_tokens && cuda::flash_attention_supported(a)) {
+    Tensor out = alloc(DType::kF32, q.shape);
+    cuda::launch_flash_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(),
+                                 cache.v[layer].data<uint8_t>(), db, impl_->d_seq_begin,
+                                 static_cast<int>(b.seqs.size()), cuda::flash_attention_tiles(n_new, a), a,
+                                 out.data<float>(), impl_->stream);
+    return out;
+  }
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
   Tensor out = alloc(DType::kF32, q.shape);
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),

@@ -22,6 +22,9 @@ struct CudaBackendOptions {
   int device = 0;
   DType kv_cache_dtype = DType::kBF16;  // kBF16, kF8_E4M3 or kF32
   bool poison = false;                  // tests: fill every new activation buffer with NaN bytes
+  // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
+  // (tests: 1 forces it everywhere).
+  int prefill_attention_min_tokens = 32;
 };
 
 struct CudaLoadStats {
