@@ -63,10 +63,6 @@ template <>
 __device__ __forceinline__ float from_op<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
-template <>
-__device__ __forceinline__ float from_op<__half>(__half x) {
-  return __half2float(x);
-}
 
 // x as planes: hi (and lo = x - hi when there are two).
 template <class T, int P>
@@ -104,22 +100,36 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(addr));
 }
 
-// Tile geometry. kN keys per tile; 64 except head_dim 128 in two planes (registers). Rows of shared
-// memory are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches fall
-// on distinct banks.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // src-size 0 fills the 16 bytes with zeros and reads nothing.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tile geometry. kN keys per tile: 64, or 32 where a tile row is 128 operand elements or more (registers
+// for S, and two 64-key BF16 tiles of head_dim 128 would pass 48 KB of static shared memory). Rows of
+// shared memory are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches
+// fall on distinct banks. The BF16 cache (bytes copied as they are) fills the next tile's buffer with
+// cp.async while the current one is computed; FP8 and fp32 convert through registers into one buffer.
 template <KvKind K, int D>
 struct Tile {
   using T = typename Operand<K>::T;
   static constexpr int kPlanes = Operand<K>::kPlanes;
-  static constexpr int kN = D * kPlanes > 128 ? 32 : 64;
+  static constexpr bool kAsync = K == KvKind::kBF16;
+  static constexpr int kN = D * kPlanes >= 128 ? 32 : 64;
   static constexpr int kStride = D + 8;
+  static constexpr int kElems = kPlanes * kN * kStride;  // one buffer of K (or V)
+  static constexpr int kBuffers = kAsync ? 2 : 1;
   static constexpr int kWarps = warps_for(D), kThreads = kWarps * 32, kRows = kWarps * 16;
   static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
   static_assert(D % 16 == 0 && kN % 16 == 0);
 };
 
 // Converts keys [k0, k0 + kN) of one KV head from the cache into dst [kPlanes][kN][kStride]; keys past
-// `last` become zeros (finite; the mask drops them).
+// `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
+// and waits).
 template <KvKind K, int D>
 __device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ cache, const int32_t* table,
                                           int k0, int last, int kvh, int n_kv_heads,
@@ -131,15 +141,16 @@ __device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restric
   constexpr int kChunks = D / kG;       // chunks per key row
   for (int i = threadIdx.x; i < kN * kChunks; i += Tile<K, D>::kThreads) {
     const int key = i / kChunks, ch = i % kChunks, kp = k0 + key;
-    uint4 raw = make_uint4(0, 0, 0, 0);
+    const Src* src = cache;  // any valid address where nothing is read
     if (kp <= last) {
       const int64_t slot = static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock;
-      raw = *reinterpret_cast<const uint4*>(cache + (slot * n_kv_heads + kvh) * D + ch * kG);
+      src = cache + (slot * n_kv_heads + kvh) * D + ch * kG;
     }
     T* row = dst + key * kS + ch * kG;
-    if constexpr (K == KvKind::kBF16) {
-      *reinterpret_cast<uint4*>(row) = raw;  // the cache's bf16 bits are the operand
+    if constexpr (Tile<K, D>::kAsync) {
+      cp_async16(row, src, kp <= last);  // the cache's bf16 bits are the operand
     } else {
+      const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
       const Src* e = reinterpret_cast<const Src*>(&raw);
 #pragma unroll
       for (int j = 0; j < kG; ++j) {
@@ -147,6 +158,102 @@ __device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restric
         split<T, kP>(KvElem<K>::dec(e[j]), parts);
 #pragma unroll
         for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
+      }
+    }
+  }
+}
+
+// One K/V tile (keys k0.., in shared memory kb / vb) for a warp's 16 rows: S = Q K^T, the mask where
+// `masked` (causal and window per row; keys past the block's last are zeros and masked too), the online
+// softmax update and O += P V.
+template <KvKind K, int D>
+__device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlanes][D / 16][4],
+                                          const typename Tile<K, D>::T* kb, const typename Tile<K, D>::T* vb,
+                                          int k0, const int (&pos)[2], int window, float sc, bool masked,
+                                          float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+  using G = Tile<K, D>;
+  using T = typename G::T;
+  constexpr int kN = G::kN, kS = G::kStride, kP = G::kPlanes, kKs = D / 16, kNt = kN / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float s[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKs; ++kk) {
+      const T* kr = kb + (nt * 8 + g) * kS + kk * 16 + 2 * c;
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr), b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+      mma<T>(s[nt], qa[0][kk], b0, b1);
+      if constexpr (kP == 2) {
+        const T* kl = kr + kN * kS;
+        mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl), *reinterpret_cast<const uint32_t*>(kl + 8));
+        mma<T>(s[nt], qa[1][kk], b0, b1);
+      }
+    }
+  }
+  // Mask and the new running max per row (the 4 lanes of a quad share a row).
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int h = j >> 1, kp = k0 + nt * 8 + 2 * c + (j & 1);
+      const bool seen = !masked || (kp <= pos[h] && (window <= 0 || kp > pos[h] - window));
+      s[nt][j] = seen ? s[nt][j] * sc : -INFINITY;
+      mx[h] = fmaxf(mx[h], s[nt][j]);
+    }
+  float corr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    // A row that has seen nothing yet keeps max -inf: nothing to rescale, and exp2(-inf) = 0 below.
+    const float base = mx[h] == -INFINITY ? 0.0f : mx[h];
+    corr[h] = exp2f(m[h] - base);
+    m[h] = mx[h];
+    mx[h] = base;
+    l[h] *= corr[h];
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[nt][j] = exp2f(s[nt][j] - mx[j >> 1]);
+      l[j >> 1] += s[nt][j];
+    }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    o[dt][0] *= corr[0], o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1], o[dt][3] *= corr[1];
+  }
+  // O += P V: the S accumulators of key tiles 2j and 2j + 1 are exactly the A fragment of keys 16j..16j+15.
+#pragma unroll
+  for (int j = 0; j < kN / 16; ++j) {
+    uint32_t pa[kP][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float* src = &s[2 * j + (r >> 1)][2 * (r & 1)];
+      T x0[kP], x1[kP];
+      split<T, kP>(src[0], x0);
+      split<T, kP>(src[1], x1);
+#pragma unroll
+      for (int p = 0; p < kP; ++p) pa[p][r] = pack2(x0[p], x1[p]);
+    }
+    // ldmatrix.trans: lanes 8i..8i+7 address rows of matrix i = (keys +8 if i odd, dims +8 if i >= 2).
+    const int key = j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dofs = (lane >> 4) * 8;
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t vf[4];
+      ldmatrix_x4_trans(vf, vb + key * kS + dp * 16 + dofs);
+      mma<T>(o[2 * dp], pa[0], vf[0], vf[1]);
+      mma<T>(o[2 * dp + 1], pa[0], vf[2], vf[3]);
+      if constexpr (kP == 2) {
+        uint32_t vl[4];
+        ldmatrix_x4_trans(vl, vb + kN * kS + key * kS + dp * 16 + dofs);
+        mma<T>(o[2 * dp], pa[0], vl[0], vl[1]);
+        mma<T>(o[2 * dp + 1], pa[0], vl[2], vl[3]);
+        mma<T>(o[2 * dp], pa[1], vf[0], vf[1]);
+        mma<T>(o[2 * dp + 1], pa[1], vf[2], vf[3]);
       }
     }
   }
@@ -161,13 +268,15 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   using G = Tile<K, D>;
   using T = typename G::T;
-  constexpr int kN = G::kN, kS = G::kStride, kP = G::kPlanes, kKs = D / 16, kNt = kN / 8, kRows = G::kRows;
-  __shared__ __align__(16) T ks[kP * kN * kS];
-  __shared__ __align__(16) T vs[kP * kN * kS];
+  constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
+  constexpr int kTile = G::kElems;
+  __shared__ __align__(16) T ks[G::kBuffers * kTile];
+  __shared__ __align__(16) T vs[G::kBuffers * kTile];
 
   const int group = a.n_heads / a.n_kv_heads, per_tile = kRows / group, kvh = blockIdx.y;
-  // Which sequence and which of its token tiles this block takes.
-  int64_t tile = blockIdx.x;
+  // Which sequence and which of its token tiles this block takes: the last tiles first, since in a
+  // sequence later tokens see more keys (the longest blocks start in the first wave).
+  int64_t tile = gridDim.x - 1 - static_cast<int64_t>(blockIdx.x);
   int seq = 0;
   for (; seq < n_seqs; ++seq) {
     const int64_t n = (seq_begin[seq + 1] - seq_begin[seq] + per_tile - 1) / per_tile;
@@ -203,6 +312,8 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
     warp_first = min(warp_first, __shfl_xor_sync(0xffffffffu, warp_first, o));
   }
   const int warp_lo = a.window > 0 && warp_last >= 0 ? warp_first - a.window + 1 : 0;
+  // Tiles every row of the warp sees whole need no mask: keys <= warp_first and > warp_last - window.
+  const bool tail_rows = __any_sync(0xffffffffu, pos[0] < 0 || pos[1] < 0);
 
   // Q fragments (A operand, rows g and g + 8, columns 2c.. and 2c + 8..), in kP planes.
   uint32_t qa[kP][kKs][4];
@@ -235,95 +346,33 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
   const float sc = a.scale * kLog2e;
 
-  for (int k0 = lo; k0 <= pos_last; k0 += kN) {
-    __syncthreads();  // the previous tile is consumed
-    load_tile<K, D>(kc, table, k0, pos_last, kvh, a.n_kv_heads, ks);
-    load_tile<K, D>(vc, table, k0, pos_last, kvh, a.n_kv_heads, vs);
+  if constexpr (G::kAsync) {
+    load_tile<K, D>(kc, table, lo, pos_last, kvh, a.n_kv_heads, ks);
+    load_tile<K, D>(vc, table, lo, pos_last, kvh, a.n_kv_heads, vs);
+    cp_async_commit();
+  }
+  for (int k0 = lo, it = 0; k0 <= pos_last; k0 += kN, ++it) {
+    T* kb = ks + (it % G::kBuffers) * kTile;
+    T* vb = vs + (it % G::kBuffers) * kTile;
+    if constexpr (G::kAsync) {
+      // Start the next tile into the other buffer (consumed one iteration ago), then wait for this one.
+      if (k0 + kN <= pos_last) {
+        load_tile<K, D>(kc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, ks + ((it + 1) & 1) * kTile);
+        load_tile<K, D>(vc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, vs + ((it + 1) & 1) * kTile);
+      }
+      cp_async_commit();
+      cp_async_wait_one();
+    } else {
+      load_tile<K, D>(kc, table, k0, pos_last, kvh, a.n_kv_heads, kb);
+      load_tile<K, D>(vc, table, k0, pos_last, kvh, a.n_kv_heads, vb);
+    }
     __syncthreads();
-    if (k0 > warp_last || k0 + kN - 1 < warp_lo) continue;  // warp-uniform
-
-    float s[kNt][4];
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kKs; ++kk) {
-        const T* kr = ks + (nt * 8 + g) * kS + kk * 16 + 2 * c;
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr), b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-        mma<T>(s[nt], qa[0][kk], b0, b1);
-        if constexpr (kP == 2) {
-          const T* kl = kr + kN * kS;
-          mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl), *reinterpret_cast<const uint32_t*>(kl + 8));
-          mma<T>(s[nt], qa[1][kk], b0, b1);
-        }
-      }
+    // Warp-uniform: skip tiles no row of the warp sees; mask only tiles some row sees in part.
+    if (k0 <= warp_last && k0 + kN - 1 >= warp_lo) {
+      const bool masked = tail_rows || k0 + kN - 1 > warp_first || (a.window > 0 && k0 <= warp_last - a.window);
+      tile_step<K, D>(qa, kb, vb, k0, pos, a.window, sc, masked, m, l, o);
     }
-    // Mask and the new running max per row (the 4 lanes of a quad share a row).
-    float mx[2] = {m[0], m[1]};
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int h = j >> 1, kp = k0 + nt * 8 + 2 * c + (j & 1);
-        const bool seen = kp <= pos[h] && (a.window <= 0 || kp > pos[h] - a.window);
-        s[nt][j] = seen ? s[nt][j] * sc : -INFINITY;
-        mx[h] = fmaxf(mx[h], s[nt][j]);
-      }
-    float corr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      // A row that has seen nothing yet keeps max -inf: nothing to rescale, and exp2(-inf) = 0 below.
-      const float base = mx[h] == -INFINITY ? 0.0f : mx[h];
-      corr[h] = exp2f(m[h] - base);
-      m[h] = mx[h];
-      mx[h] = base;
-      l[h] *= corr[h];
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[nt][j] = exp2f(s[nt][j] - mx[j >> 1]);
-        l[j >> 1] += s[nt][j];
-      }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= corr[0], o[dt][1] *= corr[0];
-      o[dt][2] *= corr[1], o[dt][3] *= corr[1];
-    }
-    // O += P V: the S accumulators of key tiles 2j and 2j + 1 are exactly the A fragment of keys 16j..16j+15.
-#pragma unroll
-    for (int j = 0; j < kN / 16; ++j) {
-      uint32_t pa[kP][4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float* src = &s[2 * j + (r >> 1)][2 * (r & 1)];
-        T x0[kP], x1[kP];
-        split<T, kP>(src[0], x0);
-        split<T, kP>(src[1], x1);
-#pragma unroll
-        for (int p = 0; p < kP; ++p) pa[p][r] = pack2(x0[p], x1[p]);
-      }
-      // ldmatrix.trans: lanes 8i..8i+7 address rows of matrix i = (keys +8 if i odd, dims +8 if i >= 2).
-      const int key = j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dofs = (lane >> 4) * 8;
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vs + key * kS + dp * 16 + dofs);
-        mma<T>(o[2 * dp], pa[0], vb[0], vb[1]);
-        mma<T>(o[2 * dp + 1], pa[0], vb[2], vb[3]);
-        if constexpr (kP == 2) {
-          uint32_t vl[4];
-          ldmatrix_x4_trans(vl, vs + kN * kS + key * kS + dp * 16 + dofs);
-          mma<T>(o[2 * dp], pa[0], vl[0], vl[1]);
-          mma<T>(o[2 * dp + 1], pa[0], vl[2], vl[3]);
-          mma<T>(o[2 * dp], pa[1], vb[0], vb[1]);
-          mma<T>(o[2 * dp + 1], pa[1], vb[2], vb[3]);
-        }
-      }
-    }
+    __syncthreads();  // this buffer is refilled in the next iteration
   }
 
 #pragma unroll

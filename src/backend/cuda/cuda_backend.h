@@ -23,8 +23,9 @@ struct CudaBackendOptions {
   DType kv_cache_dtype = DType::kBF16;  // kBF16, kF8_E4M3 or kF32
   bool poison = false;                  // tests: fill every new activation buffer with NaN bytes
   // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
-  // (tests: 1 forces it everywhere).
-  int prefill_attention_min_tokens = 32;
+  // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
+  // split kernel wins at 1-2 new tokens, the tiled one from 4 (1.7x) and 8 (3x); see bench/NOTES.md.
+  int prefill_attention_min_tokens = 8;
 };
 
 struct CudaLoadStats {
