@@ -1,7 +1,8 @@
 // End-to-end benchmark: a model built from configs/<name>/config.json with --dummy-weights on the GPU.
 // Decode: at each --dense-format, tg128 at batch 1 (one prompt token, then 128 decode steps through
-// Model::forward, logits copied to the host each step as the engine does); prints ready time, tok/s, the
-// variant's bytes per token and % of the roofline (measured read bandwidth / bytes per token).
+// Model::forward_sampled, greedy ids sampled on the GPU and copied to the host, as the engine does); prints
+// ready time, tok/s, the variant's bytes per token and % of the roofline (measured read bandwidth / bytes
+// per token).
 // Prefill: with the checkpoint's own dense format, ppN at batch 1: the time to process an N-token prompt
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
@@ -199,7 +200,7 @@ void run_decode(const Args& args, double bw) {
       for (int step = 0; step < kSteps + 2; ++step) {
         if (step == 2) start = std::chrono::steady_clock::now();  // two warm-up steps: eager, capture
         b = Batch{{static_cast<int32_t>(1 + step % 100)}, {{table, step + 1, 1, false}}};
-        if (!model.forward(b, *cache).ok()) break;
+        if (!model.forward_sampled(b, *cache, {SampleSpec{}}).ok()) break;  // greedy on the GPU, as the engine
       }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double tps = kSteps / secs, bpt = bytes_per_token(model.config(), dense, 64);

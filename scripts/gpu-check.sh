@@ -63,6 +63,13 @@ if [ -x "$B"/src/nibble_kernel_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; th
   cat "$OUT/e2e_bench.md"
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
 fi
+# Prefill GEMMs: FP4 tensor-core GEMMs and the grouped MoE vs cuBLASLt BF16 (bench/gemm_bench.cu).
+if [ -x "$B"/src/nibble_gemm_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
+  t0=$(date +%s)
+  timeout 300 "$B"/src/nibble_gemm_bench >"$OUT/gemm_bench.md" 2>&1
+  result[gemm_bench]="rc=$? $(( $(date +%s) - t0 ))s"
+  cat "$OUT/gemm_bench.md"
+fi
 
 echo
 echo "| step | result |"

@@ -56,7 +56,7 @@ int cmd_eval(const EvalArgs& args) {
   };
   const bool text = !args.text_file.empty();
   auto session = open_model_session(args.model, args.device, args.threads, text, args.dense_format,
-                                    args.kv_cache_dtype);
+                                    args.kv_cache_dtype, args.dummy_weights);
   if (!session.ok()) return fail(session.status());
   ModelSession& s = session.value();
   const ModelConfig& cfg = s.model->config();

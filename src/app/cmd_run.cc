@@ -54,7 +54,8 @@ int cmd_run(const RunArgs& args) {
     return 2;
   }
   const bool need_tokenizer = args.prompt_tokens.empty() || !args.print_tokens;
-  auto session = open_model_session(args.model, args.device, args.threads, need_tokenizer);
+  auto session = open_model_session(args.model, args.device, args.threads, need_tokenizer, "keep", "auto",
+                                    args.dummy_weights);
   if (!session.ok()) {
     std::fprintf(stderr, "nibble: error: %s\n", session.status().message().c_str());
     return 1;
@@ -122,13 +123,14 @@ int cmd_run(const RunArgs& args) {
     seq.n_new = static_cast<int32_t>(next.size());
     batch.tokens = next;
     batch.seqs = {seq};
-    auto logits = s.model->forward(batch, *cache);
-    if (!logits.ok()) {
-      std::fprintf(stderr, "\nnibble: error: %s\n", logits.status().message().c_str());
+    // Sampled on the backend: only the id comes back (run has no penalties or logprobs).
+    auto ids = s.model->forward_sampled(batch, *cache, {sampler.next()});
+    if (!ids.ok()) {
+      std::fprintf(stderr, "\nnibble: error: %s\n", ids.status().message().c_str());
       return 1;
     }
     seq.n_past += seq.n_new;
-    const int32_t id = sampler.sample(logits.value());
+    const int32_t id = ids.value()[0];
     if (!args.ignore_eos && stop.count(id)) break;
     generated.push_back(id);
     next = {id};

@@ -59,7 +59,8 @@ int cmd_serve(const ServeArgs& args) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  auto session = open_model_session(args.model, args.device, args.threads, /*need_tokenizer=*/true);
+  auto session = open_model_session(args.model, args.device, args.threads, /*need_tokenizer=*/true,
+                                    "keep", "auto", args.dummy_weights);
   if (!session.ok()) return fail(session.status().message());
   ModelSession& s = session.value();
   const ModelConfig& cfg = s.model->config();

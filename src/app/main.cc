@@ -59,6 +59,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   run_cmd->add_option("--reasoning-effort", run.reasoning_effort, "gpt-oss chats: low, medium or high")
       ->check(CLI::IsMember({"low", "medium", "high"}))->capture_default_str();
+  run_cmd->add_flag("--dummy-weights", run.dummy_weights,
+                   "Random weights generated from config.json alone (benchmarking shapes; no safetensors read)");
   add_device(run_cmd, &run.device, &run.threads);
 
   nb::EvalArgs eval;
@@ -79,6 +81,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   eval_cmd->add_option("--kv-cache-dtype", eval.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
+  eval_cmd->add_flag("--dummy-weights", eval.dummy_weights,
+                   "Random weights generated from config.json alone (benchmarking shapes; no safetensors read)");
   add_device(eval_cmd, &eval.device, &eval.threads);
 
   nb::QuantizeArgs quant;
@@ -111,6 +115,8 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--port", serve.port, "Port (0: any free port)")->check(CLI::Range(0, 65535))
       ->capture_default_str();
   add_device(serve_cmd, &serve.device, &serve.threads);
+  serve_cmd->add_flag("--dummy-weights", serve.dummy_weights,
+                   "Random weights generated from config.json alone (benchmarking shapes; no safetensors read)");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "Model name in the API (default: -m)");
   serve_cmd->add_option("--max-model-len", serve.max_model_len, "Context length (default: the model's)")
       ->check(CLI::NonNegativeNumber);

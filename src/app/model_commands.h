@@ -20,6 +20,7 @@ struct RunArgs {
   bool ignore_eos = false;
   std::string reasoning_effort = "low";  // harmony chats
   int max_num_batched_tokens = 0;        // > 0: prefill the prompt in chunks of this many tokens
+  bool dummy_weights = false;            // random weights from config.json (benchmarking shapes)
   std::string device = "auto";
   int threads = 0;
 };
@@ -36,6 +37,7 @@ struct EvalArgs {
   int seq_len = 0;    // > 0: independent sequences of this many tokens; 0: one sequence
   std::string dense_format = "keep";
   std::string kv_cache_dtype = "auto";
+  bool dummy_weights = false;
   std::string device = "auto";
   int threads = 0;
 };

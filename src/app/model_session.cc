@@ -11,8 +11,9 @@ namespace nb {
 
 Result<ModelSession> open_model_session(const std::string& dir, const std::string& device, int threads,
                                         bool need_tokenizer, const std::string& dense_format,
-                                        const std::string& kv_cache_dtype) {
+                                        const std::string& kv_cache_dtype, bool dummy_weights) {
   ModelOptions options;
+  options.dummy_weights = dummy_weights;
   options.n_threads = threads;
   options.device = Device::kCpu;
   static const char* kDense[] = {"keep", "fp8", "mxfp4", "nvfp4"};

@@ -17,9 +17,10 @@ struct ModelSession {
 
 // device: auto | cpu | cuda. need_tokenizer: a missing tokenizer.json is an error. dense_format
 // (keep|fp8|mxfp4|nvfp4) and kv_cache_dtype (auto|bf16|fp8|fp8_e4m3) need the CUDA backend.
+// dummy_weights: random weights from config.json alone (no safetensors read).
 Result<ModelSession> open_model_session(const std::string& dir, const std::string& device, int threads,
                                         bool need_tokenizer, const std::string& dense_format = "keep",
-                                        const std::string& kv_cache_dtype = "auto");
+                                        const std::string& kv_cache_dtype = "auto", bool dummy_weights = false);
 
 
 }  // namespace nb

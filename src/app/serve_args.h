@@ -26,6 +26,7 @@ struct ServeArgs {
   std::vector<std::string> allowed_origins;
   std::string kv_cache_dtype = "auto";
   std::string dense_format = "keep";
+  bool dummy_weights = false;  // random weights from config.json alone
   bool enable_prefix_caching = true;
   size_t max_request_bytes = 4 << 20;
   double shutdown_timeout = 30.0;   // seconds of drain after SIGTERM before in-flight requests abort

@@ -110,6 +110,28 @@ enum class RouterKind : uint8_t {
   kSoftmaxThenTopK,  // qwen3_moe: softmax over all experts, top-k, optional renormalisation
 };
 
+// What qkv_rope_kv_write needs besides the tensors: the head layout of the fused QKV rows, the optional
+// per-head q/k RMSNorm weights (qwen3; null elsewhere) and the RoPE table.
+struct QkvParams {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  const Tensor* q_norm = nullptr;  // [head_dim] or null
+  const Tensor* k_norm = nullptr;  // [head_dim] or null
+  float eps = 1e-6f;
+  const RopeTable* rope = nullptr;
+};
+
+// One logits row's sampling rule (runtime/sampler.h has the request-level SamplingParams): temperature 0
+// is greedy (argmax, lowest id on ties); otherwise candidates are sorted by logit (ties: lower id first),
+// cut to top_k (0: all), softmaxed at temperature, cut to the smallest prefix of mass >= top_p, then to
+// those with probability >= min_p * the top one; u in [0, 1) times the kept mass picks the token.
+struct SampleSpec {
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int top_k = 0;
+  float min_p = 0.0f;
+  double u = 0.0;  // uniform in [0, 1), drawn by the request's (seeded) generator on the host
+};
+
 struct Routes {
   Tensor ids;      // [n_tokens, top_k] I32 expert ids
   Tensor weights;  // [n_tokens, top_k] F32 routing weights
@@ -129,18 +151,29 @@ class Backend {
   // Ops. Each returns a new tensor unless it says "in place".
   virtual Tensor embedding(const Weight& table, const BatchInfo& b) = 0;            // [n_tokens, d_model]
   virtual Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) = 0;         // over the last dim
+  // The residual add fused with the next norm: x += y in place, returns rms_norm(x, w, eps) of the sum.
+  virtual Tensor add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) = 0;
   virtual Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) = 0;  // [.., k] -> [.., n]
   virtual void rope(Tensor& x, const BatchInfo& b,
                     const RopeTable& rope) = 0;  // in place, [n_tokens, heads, head_dim]
   virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) = 0;
   virtual Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
                            const AttentionParams& p) = 0;  // q [n_tokens, n_heads, head_dim] -> same shape
+  // After the fused QKV projection: qkv [n_tokens, (n_heads + 2 n_kv_heads) * head_dim] holds q, k, v heads
+  // in that order. Applies the q/k norms (when given) and RoPE to q and k, writes k and v into the cache
+  // at the tokens' positions, returns q [n_tokens, n_heads, head_dim]. The same numbers as rms_norm, rope
+  // and kv_write in turn.
+  virtual Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                                   const BatchInfo& b) = 0;
   virtual Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) = 0;
   virtual Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                              const GluParams& glu) = 0;  // [n_tokens, d_model]: sum_k w_k (fc2(glu(fc1 x)))
   virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up
   virtual void add(Tensor& x, const Tensor& y) = 0;                                   // in place: x += y
   virtual Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) = 0;  // [rows, ..]
+  // One token id per row of logits [rows, vocab] under specs[row] (see SampleSpec); only the ids reach
+  // the host.
+  virtual std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) = 0;
 };
 
 }  // namespace nb

@@ -63,6 +63,15 @@ class [[nodiscard]] Result {
   std::abort();
 }
 
+// A condition the user can cause and no caller can recover from mid-step (the GPU ran out of memory, the
+// device failed): one line on stderr, exit status 1, no abort and no core dump. Other threads are not
+// joined (std::_Exit), which is what an out-of-memory inside a forward pass needs.
+[[noreturn]] inline void fatal_error(const std::string& msg) {
+  std::fprintf(stderr, "nibble: error: %s\n", msg.c_str());
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
 }  // namespace nb
 
 #define NB_CONCAT_INNER(a, b) a##b

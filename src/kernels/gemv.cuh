@@ -14,9 +14,9 @@ namespace nb::cuda {
 // y[t, :] = x[t, :] @ w^T (+ bias) for t < m. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
 void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s);
 
-// The tensor-core FP4 path (gemv_fp4.cu): MXFP4/NVFP4, 16-byte aligned rows, 1 <= m <= 8 (by default
-// only large NVFP4 weights at m = 1, see there). Returns false (nothing launched) for anything else;
-// launch_linear falls back to the CUDA-core kernels then.
+// The tensor-core FP4 paths (gemv_fp4.cu): MXFP4/NVFP4, 16-byte aligned rows, linear at 1 <= m <= 8 and
+// the MoE projections. Each returns false (nothing launched) for anything else, and the callers below fall
+// back to the CUDA-core kernels then. NIBBLE_FP4_MMA=0 turns them off (benchmark knob).
 bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                            cudaStream_t s);
 
@@ -30,6 +30,7 @@ struct ExpertTable {
   int n_experts = 0, d_expert = 0, d_model = 0;
   const float* fc1_bias = nullptr;  // [n_experts, 2 d_expert] or null
   const float* fc2_bias = nullptr;  // [n_experts, d_model] or null
+  bool fp4_vec_ok = false;          // FP4 kinds: every expert's rows are 16-byte aligned (tensor-core path)
 };
 
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch
@@ -40,5 +41,10 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 // in choice order inside one warp (deterministic).
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                     const float* act, float* y, cudaStream_t s);
+
+bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
+                        Glu glu, float limit, float* act, cudaStream_t s);
+bool launch_moe_fc2_fp4(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
+                        const float* act, float* y, cudaStream_t s);
 
 }  // namespace nb::cuda

@@ -43,26 +43,24 @@ class Llama final : public Model {
     Backend& be = *backend_;
     const int64_t T = b.n_tokens(), nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
     const AttentionParams attn{1.0f / std::sqrt(static_cast<float>(hd)), 0, nullptr};
-    Tensor x = be.embedding(embed_, b);  // [T, d_model]
+    Tensor x = be.embedding(embed_, b);  // [T, d_model], the residual stream
+    Tensor y;                            // the last block's output, not yet added to x
     for (int l = 0; l < c.n_layers; ++l) {
       const Layer& L = layers_[l];
-      Tensor h = be.rms_norm(x, L.attn.norm, c.rms_norm_eps);
-      Tensor q = be.linear(h, L.attn.q, optional(L.attn.q_bias)).view({T, nh, hd});
-      Tensor k = be.linear(h, L.attn.k, optional(L.attn.k_bias)).view({T, nkv, hd});
-      Tensor v = be.linear(h, L.attn.v, optional(L.attn.v_bias)).view({T, nkv, hd});
-      be.rope(q, b, rope_);
-      be.rope(k, b, rope_);
-      be.kv_write(cache, l, k, v, b);
+      // The previous block's output joins the residual stream inside the norm (the embedding starts it).
+      Tensor h = l == 0 ? be.rms_norm(x, L.attn.norm, c.rms_norm_eps) : be.add_rms_norm(x, y, L.attn.norm, c.rms_norm_eps);
+      Tensor qkv = be.linear(h, L.attn.qkv, optional(L.attn.qkv_bias));  // [T, (nh + 2 nkv) * hd]
+      const QkvParams qp{static_cast<int>(nh), static_cast<int>(nkv), static_cast<int>(hd), nullptr, nullptr,
+                         c.rms_norm_eps, &rope_};
+      Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
       Tensor a = be.attention(q, cache, l, b, attn).view({T, nh * hd});
       Tensor o = be.linear(a, L.attn.o, optional(L.attn.o_bias));
-      be.add(x, o);
-      h = be.rms_norm(x, L.mlp_norm, c.rms_norm_eps);
+      h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
       Tensor gate = be.linear(h, L.mlp.gate, nullptr);
       Tensor up = be.linear(h, L.mlp.up, nullptr);
-      Tensor y = be.linear(be.swiglu(gate, up), L.mlp.down, nullptr);
-      be.add(x, y);
+      y = be.linear(be.swiglu(gate, up), L.mlp.down, nullptr);
     }
-    x = be.rms_norm(x, final_norm_, c.rms_norm_eps);
+    x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
     x = be.gather_rows(x, b.logit_rows);
     return be.linear(x, lm_head_, nullptr);  // [n_logit_rows, vocab]
   }

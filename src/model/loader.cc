@@ -179,19 +179,35 @@ Result<Weight> WeightLoader::linear(const std::string& prefix, int64_t n, int64_
   return maybe_requantize(prefix, std::move(w));
 }
 
-Result<Weight> WeightLoader::fused(const std::vector<std::string>& prefixes, int64_t n_each, int64_t k) {
+Result<Weight> WeightLoader::fused(const std::vector<std::string>& prefixes, const std::vector<int64_t>& ns,
+                                   int64_t k) {
+  NB_CHECK(prefixes.size() == ns.size() && !prefixes.empty(), "fused: one row count per prefix");
   Weight w;
-  for (const std::string& p : prefixes) {
-    NB_ASSIGN_OR_RETURN(Weight one, linear(p, n_each, k));
-    if (!w.empty() && one.format != w.format)
-      return error("tensor '" + p + "': stored as " + weight_format_name(one.format) + " but '" +
-                   prefixes[0] + "' as " + weight_format_name(w.format) + "; fused weights need one format");
+  w.n = 0;
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    const std::string& p = prefixes[i];
+    NB_ASSIGN_OR_RETURN(Weight one, linear(p, ns[i], k));
+    if (!w.empty() && (one.format != w.format || one.parts[0].data.dtype != w.parts[0].data.dtype))
+      return error("tensor '" + p + "': stored as " + weight_format_name(one.format) + " " +
+                   std::string(dtype_name(one.parts[0].data.dtype)) + " but '" + prefixes[0] + "' as " +
+                   weight_format_name(w.format) + " " + std::string(dtype_name(w.parts[0].data.dtype)) +
+                   "; fused weights need one format");
     w.format = one.format;
-    w.parts.push_back(std::move(one.parts[0]));
+    for (WeightPart& part : one.parts) w.parts.push_back(std::move(part));
+    w.n += ns[i];
   }
-  w.n = n_each * static_cast<int64_t>(prefixes.size());
   w.k = k;
   return w;
+}
+
+Result<Tensor> WeightLoader::concat_floats(const std::vector<std::string>& names, const std::vector<int64_t>& sizes) {
+  std::vector<float> all;
+  for (size_t i = 0; i < names.size(); ++i) {
+    NB_ASSIGN_OR_RETURN(Tensor t, floats(names[i], {sizes[i]}));
+    const std::vector<float> h = backend_.to_host(t);
+    all.insert(all.end(), h.begin(), h.end());
+  }
+  return backend_.upload(TensorView{all.data(), DType::kF32, {static_cast<int64_t>(all.size())}});
 }
 
 Result<Weight> WeightLoader::dense(const std::string& name, int64_t n, int64_t k) {
@@ -333,14 +349,11 @@ Result<AttentionWeights> load_attention(WeightLoader& w, const ModelConfig& c, i
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   AttentionWeights a;
   NB_ASSIGN_OR_RETURN(a.norm, w.floats(p + "input_layernorm.weight", {c.d_model}));
-  NB_ASSIGN_OR_RETURN(a.q, w.linear(p + "self_attn.q_proj", q_dim, c.d_model));
-  NB_ASSIGN_OR_RETURN(a.k, w.linear(p + "self_attn.k_proj", kv_dim, c.d_model));
-  NB_ASSIGN_OR_RETURN(a.v, w.linear(p + "self_attn.v_proj", kv_dim, c.d_model));
+  const std::string q = p + "self_attn.q_proj", k = p + "self_attn.k_proj", v = p + "self_attn.v_proj";
+  NB_ASSIGN_OR_RETURN(a.qkv, w.fused({q, k, v}, {q_dim, kv_dim, kv_dim}, c.d_model));
   NB_ASSIGN_OR_RETURN(a.o, w.linear(p + "self_attn.o_proj", c.d_model, q_dim));
   if (c.attention_bias) {
-    NB_ASSIGN_OR_RETURN(a.q_bias, w.floats(p + "self_attn.q_proj.bias", {q_dim}));
-    NB_ASSIGN_OR_RETURN(a.k_bias, w.floats(p + "self_attn.k_proj.bias", {kv_dim}));
-    NB_ASSIGN_OR_RETURN(a.v_bias, w.floats(p + "self_attn.v_proj.bias", {kv_dim}));
+    NB_ASSIGN_OR_RETURN(a.qkv_bias, w.concat_floats({q + ".bias", k + ".bias", v + ".bias"}, {q_dim, kv_dim, kv_dim}));
     NB_ASSIGN_OR_RETURN(a.o_bias, w.floats(p + "self_attn.o_proj.bias", {c.d_model}));
   }
   if (qk_norm) {

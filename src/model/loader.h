@@ -32,12 +32,18 @@ class WeightLoader {
   // format is on disk: P.weight dense; P.weight U8 + P.weight_scale (ModelOpt NVFP4); P.weight_packed
   // (compressed-tensors NVFP4).
   Result<Weight> linear(const std::string& prefix, int64_t n, int64_t k);
-  // Several linear layers with the same input, stacked along n into one Weight (one part each).
-  Result<Weight> fused(const std::vector<std::string>& prefixes, int64_t n_each, int64_t k);
+  // Several linear layers with the same input, stacked along n into one Weight (one part each, ns[i] rows
+  // for prefixes[i]); they must share one storage format (and dtype, when dense).
+  Result<Weight> fused(const std::vector<std::string>& prefixes, const std::vector<int64_t>& ns, int64_t k);
+  Result<Weight> fused(const std::vector<std::string>& prefixes, int64_t n_each, int64_t k) {
+    return fused(prefixes, std::vector<int64_t>(prefixes.size(), n_each), k);
+  }
   // A dense matrix stored under exactly `name` (embeddings).
   Result<Weight> dense(const std::string& name, int64_t n, int64_t k);
   // A float vector or small tensor (norm weights, biases, sinks), converted to F32 on the backend.
   Result<Tensor> floats(const std::string& name, const std::vector<int64_t>& shape);
+  // Float vectors names[i] of sizes[i], concatenated into one F32 tensor [sum sizes] (fused biases).
+  Result<Tensor> concat_floats(const std::vector<std::string>& names, const std::vector<int64_t>& sizes);
   // MoE experts: gpt-oss stacked MXFP4 (P.gate_up_proj_blocks ...) or per expert (P.E.gate_proj ...).
   Result<MoeExperts> stacked_mxfp4_experts(const std::string& prefix, int n_experts, int d_expert,
                                            int d_model);
@@ -73,11 +79,13 @@ class WeightLoader {
   WeightCatalog& catalog_;
 };
 
-// Pre-norm attention block weights (llama, qwen3, gpt-oss). Empty tensors are absent parts.
+// Pre-norm attention block weights (llama, qwen3, gpt-oss). Empty tensors are absent parts. q, k and v
+// are one Weight of three parts, so the projection is one launch (Backend::qkv_rope_kv_write splits it).
 struct AttentionWeights {
-  Tensor norm;        // [d_model] input_layernorm
-  Weight q, k, v, o;  // [n_heads*head_dim, d_model], [n_kv*head_dim, d_model] x2, [d_model, n_heads*head_dim]
-  Tensor q_bias, k_bias, v_bias, o_bias;  // attention_bias
+  Tensor norm;  // [d_model] input_layernorm
+  Weight qkv;   // [(n_heads + 2 n_kv) * head_dim, d_model]: q_proj, k_proj, v_proj rows in that order
+  Weight o;     // [d_model, n_heads * head_dim]
+  Tensor qkv_bias, o_bias;                // attention_bias; qkv_bias is q, k, v biases concatenated
   Tensor q_norm, k_norm;                  // [head_dim] qwen3
   Tensor sinks;                           // [n_heads] gpt-oss
 };

@@ -46,12 +46,17 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   std::unique_ptr<Backend> backend;
   WeightFactory* factory = nullptr;
   if (options.device == Device::kCpu) {
-    if (options.dummy_weights || options.dense_format != DenseFormat::kKeep)
-      return error("--dummy-weights and --dense-format need the CUDA backend");
-    backend = std::make_unique<CpuBackend>(options.n_threads);
+    if (options.dense_format != DenseFormat::kKeep) return error("--dense-format needs the CUDA backend");
+    auto cpu = std::make_unique<CpuBackend>(options.n_threads);
+    if (options.dummy_weights) factory = cpu.get();
+    backend = std::move(cpu);
   } else {
 #if NIBBLE_HAVE_CUDA
-    CudaBackendOptions co{0, options.kv_cache_dtype};
+    CudaBackendOptions co;
+    co.kv_cache_dtype = options.kv_cache_dtype;
+    co.gemm_min_tokens = options.gemm_min_tokens;
+    co.moe_gemm_min_tokens = options.moe_gemm_min_tokens;
+    co.gemm_fp16_activations = options.gemm_fp16_activations;
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {
@@ -129,19 +134,31 @@ Result<BatchInfo> Model::make_batch_info(const Batch& batch, const KvCache& cach
   return b;
 }
 
+Tensor Model::run_step(const BatchInfo& info, KvCache& cache) {
+#if NIBBLE_HAVE_CUDA
+  // Decode steps (a few tokens) replay one CUDA graph per batch shape.
+  if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get()); cuda && info.n_tokens() <= 8)
+    return cuda->run_graphed(info, cache, [&] { return run(info, cache); });
+#endif
+  return run(info, cache);
+}
+
 Result<std::vector<float>> Model::forward(const Batch& batch, KvCache& cache) {
   if (cache.k.size() != static_cast<size_t>(config_.n_layers))
     return error("KV cache made for another model");
   NB_ASSIGN_OR_RETURN(BatchInfo info, make_batch_info(batch, cache));
-  Tensor logits;
-#if NIBBLE_HAVE_CUDA
-  // Decode steps (a few tokens) replay one CUDA graph per batch shape.
-  if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get()); cuda && info.n_tokens() <= 8)
-    logits = cuda->run_graphed(info, cache, [&] { return run(info, cache); });
-  else
-#endif
-    logits = run(info, cache);
-  return backend_->to_host(logits);
+  return backend_->to_host(run_step(info, cache));
+}
+
+Result<std::vector<int32_t>> Model::forward_sampled(const Batch& batch, KvCache& cache,
+                                                    const std::vector<SampleSpec>& specs) {
+  if (cache.k.size() != static_cast<size_t>(config_.n_layers))
+    return error("KV cache made for another model");
+  NB_ASSIGN_OR_RETURN(BatchInfo info, make_batch_info(batch, cache));
+  if (specs.size() != info.logit_rows.size())
+    return error("forward_sampled: " + std::to_string(specs.size()) + " sampling specs for " +
+                 std::to_string(info.logit_rows.size()) + " logits rows");
+  return backend_->sample(run_step(info, cache), specs);
 }
 
 std::string Model::describe() const {

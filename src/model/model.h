@@ -24,6 +24,8 @@ struct ModelOptions {
   DType kv_cache_dtype = DType::kBF16;       // kBF16, kF8_E4M3 or kF32
   DenseFormat dense_format = DenseFormat::kKeep;  // re-quantize dense attention projections and lm_head
   bool dummy_weights = false;                // random weights from config.json alone; no safetensors read
+  int gemm_min_tokens = 0, moe_gemm_min_tokens = 0;  // prefill GEMM thresholds, see CudaBackendOptions
+  bool gemm_fp16_activations = false;               // see CudaBackendOptions
   int prefill_attention_min_tokens = 0;      // > 0: overrides CudaBackendOptions' (tests: 1 = tiled always)
 };
 
@@ -67,6 +69,10 @@ class Model {
   // host), rows in batch order: every new token of a seq with all_logits, else its last token.
   // A malformed batch (token ids, block tables, counts) is an error, never a crash.
   Result<std::vector<float>> forward(const Batch& batch, KvCache& cache);
+  // The same step, then one token id per logits row sampled on the backend under specs (one per row, in
+  // row order); only the ids reach the host (Backend::sample).
+  Result<std::vector<int32_t>> forward_sampled(const Batch& batch, KvCache& cache,
+                                               const std::vector<SampleSpec>& specs);
 
  protected:
   // The architecture's forward pass: logits [b.logit_rows.size(), vocab] on the backend.
@@ -81,6 +87,8 @@ class Model {
 
  private:
   Result<BatchInfo> make_batch_info(const Batch& batch, const KvCache& cache) const;
+  // The logits of a validated batch, on the backend (a CUDA graph replay for decode steps).
+  Tensor run_step(const BatchInfo& info, KvCache& cache);
 };
 
 // The architectures (one file each); called by Model::load.

@@ -144,7 +144,7 @@ void Engine::finish(Active& a, FinishReason reason, int32_t stop_token, const st
   cv_idle_.notify_all();
 }
 
-void Engine::emit_token(Active& a, std::span<const float> row) {
+void Engine::emit_token(Active& a, std::span<const float> row, const SampleSpec& spec) {
   Sequence& seq = a.seq;
   const GenerationRequest& req = a.req;
   std::vector<float> logits(row.begin(), row.end());
@@ -157,9 +157,20 @@ void Engine::emit_token(Active& a, std::span<const float> row) {
       if (id >= 0 && id < static_cast<int32_t>(logits.size()))
         logits[id] = -std::numeric_limits<float>::infinity();
   }
-  int32_t id =
-      a.forced_pos < req.forced_output.size() ? req.forced_output[a.forced_pos++] : a.sampler->sample(logits);
+  const int32_t id =
+      a.forced_pos < req.forced_output.size() ? req.forced_output[a.forced_pos++] : sample_row(logits, spec);
+  emit_id(a, id, row);
+}
 
+bool Engine::needs_host_logits(const Active& a) const {
+  const GenerationRequest& req = a.req;
+  return has_penalties(req.sampling) || req.logprobs >= 0 || a.forced_pos < req.forced_output.size() ||
+         (a.seq.n_output() < req.min_tokens && !req.stop_token_ids.empty());
+}
+
+void Engine::emit_id(Active& a, int32_t id, std::span<const float> row) {
+  Sequence& seq = a.seq;
+  const GenerationRequest& req = a.req;
   const auto now = Clock::now();
   {
     std::lock_guard lock(mu_);
@@ -216,19 +227,41 @@ void Engine::step() {
                         s.seq->tokens.begin() + s.seq->n_computed + s.n_new);
     batch.seqs.push_back(std::move(slice));
   }
-  Result<std::vector<float>> logits = model_.forward(batch, *cache_);
-  if (!logits.ok()) {
-    NB_LOG_WARN("forward failed: %s", logits.status().message().c_str());
-    for (const ScheduledSeq& s : schedule.seqs)
-      finish(*active_.at(s.seq->id), FinishReason::kError, -1, logits.status().message());
+  // The logits come to the host only when some request needs them; otherwise the backend samples and
+  // only the ids come back (rows of unfinished prefill chunks get a greedy spec and are ignored).
+  bool host = false;
+  std::vector<SampleSpec> specs(schedule.seqs.size());
+  for (size_t i = 0; i < schedule.seqs.size(); ++i) {
+    Sequence* seq = schedule.seqs[i].seq;
+    if (schedule.seqs[i].n_new != seq->n_pending()) continue;  // this step leaves the prefill unfinished
+    Active& a = *active_.at(seq->id);
+    host = host || needs_host_logits(a);
+    specs[i] = a.sampler->next();
+  }
+  Result<std::vector<float>> logits = std::vector<float>();
+  Result<std::vector<int32_t>> ids = std::vector<int32_t>();
+  if (host)
+    logits = model_.forward(batch, *cache_);
+  else
+    ids = model_.forward_sampled(batch, *cache_, specs);
+  const Status st = host ? logits.status() : ids.status();
+  if (!st.ok()) {
+    NB_LOG_WARN("forward failed: %s", st.message().c_str());
+    for (const ScheduledSeq& s : schedule.seqs) finish(*active_.at(s.seq->id), FinishReason::kError, -1, st.message());
     return;
   }
   scheduler_.on_step_done(schedule);
-  const size_t vocab = logits.value().size() / schedule.seqs.size();
+  const size_t vocab = host ? logits.value().size() / schedule.seqs.size() : 0;
   for (size_t i = 0; i < schedule.seqs.size(); ++i) {
     Sequence* seq = schedule.seqs[i].seq;
     if (seq->n_pending() != 0) continue;  // a prefill chunk short of the end: no token yet
-    emit_token(*active_.at(seq->id), std::span<const float>(logits.value()).subspan(i * vocab, vocab));
+    Active& a = *active_.at(seq->id);
+    if (!host) {
+      emit_id(a, ids.value()[i], {});
+    } else {
+      // The uniform draw was already taken (specs[i]); the host sampler uses that same draw.
+      emit_token(a, std::span<const float>(logits.value()).subspan(i * vocab, vocab), specs[i]);
+    }
   }
 }
 

@@ -77,7 +77,12 @@ class Engine {
   void take_inbox();
   void drop_cancelled();
   void finish(Active& a, FinishReason reason, int32_t stop_token, const std::string& error = "");
-  void emit_token(Active& a, std::span<const float> logits);
+  void emit_token(Active& a, std::span<const float> logits, const SampleSpec& spec);
+  // After the token id is known (sampled on the host or the device): stats, stop, push, length.
+  void emit_id(Active& a, int32_t id, std::span<const float> logits);
+  // Whether this request's next token needs the logits on the host (penalties, stop-id masking,
+  // logprobs, forced output); otherwise the backend samples it and only the id comes back.
+  bool needs_host_logits(const Active& a) const;
   void publish_stats();
 
   Model& model_;

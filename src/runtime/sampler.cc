@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 #include <unordered_set>
@@ -79,15 +80,23 @@ int32_t argmax(std::span<const float> logits) {
   return best;
 }
 
-int32_t Sampler::sample(std::span<const float> logits) {
+SampleSpec Sampler::next() {
+  SampleSpec s{params_.temperature, params_.top_p, params_.top_k, params_.min_p, 0.0};
+  if (!params_.greedy()) s.u = std::generate_canonical<double, std::numeric_limits<double>::digits>(rng_);
+  return s;
+}
+
+int32_t Sampler::sample(std::span<const float> logits) { return sample_row(logits, next()); }
+
+int32_t sample_row(std::span<const float> logits, const SampleSpec& spec) {
   NB_CHECK(!logits.empty());
-  if (params_.greedy()) return argmax(logits);
+  if (spec.temperature <= 0.0f) return argmax(logits);
   const int vocab = static_cast<int>(logits.size());
 
   // Candidates sorted by logit, descending (ties: lower id first), cut to top-k.
   std::vector<int32_t> ids(vocab);
   std::iota(ids.begin(), ids.end(), 0);
-  const int k = (params_.top_k > 0 && params_.top_k < vocab) ? params_.top_k : vocab;
+  const int k = (spec.top_k > 0 && spec.top_k < vocab) ? spec.top_k : vocab;
   auto by_logit = [&](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
@@ -98,29 +107,30 @@ int32_t Sampler::sample(std::span<const float> logits) {
   std::vector<double> p(k);
   const double max_logit = logits[ids[0]];
   double sum = 0;
-  for (int i = 0; i < k; ++i) sum += p[i] = std::exp((logits[ids[i]] - max_logit) / params_.temperature);
+  for (int i = 0; i < k; ++i) sum += p[i] = std::exp((logits[ids[i]] - max_logit) / spec.temperature);
   for (double& v : p) v /= sum;
 
   // Top-p: the smallest prefix whose mass reaches top_p (at least one token).
   int n = k;
-  if (params_.top_p < 1.0f) {
+  if (spec.top_p < 1.0f) {
     double cum = 0;
     for (int i = 0; i < k; ++i) {
       cum += p[i];
-      if (cum >= params_.top_p) {
+      if (cum >= spec.top_p) {
         n = i + 1;
         break;
       }
     }
   }
   // Min-p: drop tokens whose probability is below min_p times the top one.
-  if (params_.min_p > 0.0f) {
-    const double floor_p = params_.min_p * p[0];
+  if (spec.min_p > 0.0f) {
+    const double floor_p = spec.min_p * p[0];
     while (n > 1 && p[n - 1] < floor_p) --n;
   }
   double mass = 0;
   for (int i = 0; i < n; ++i) mass += p[i];
-  const double u = std::uniform_real_distribution<double>(0.0, mass)(rng_);
+  // u * mass is what std::uniform_real_distribution(0, mass) draws from the same canonical u.
+  const double u = spec.u * mass;
   double cum = 0;
   for (int i = 0; i < n; ++i) {
     cum += p[i];

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "base/status.h"
 
 namespace nb {
@@ -34,8 +35,11 @@ struct SamplingParams {
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
-  // logits: [vocab] for one sequence. Returns the sampled id.
+  // logits: [vocab] for one sequence. Returns the sampled id: sample_row(logits, next()).
   int32_t sample(std::span<const float> logits);
+  // The rule for the next token with its uniform draw, for sampling elsewhere (Backend::sample on the
+  // GPU). Greedy requests draw nothing, so a seeded stream is the same either way.
+  SampleSpec next();
   const SamplingParams& params() const { return params_; }
 
  private:
@@ -56,6 +60,9 @@ struct TokenLogprobs {
   std::vector<std::pair<int32_t, float>> top;
 };
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t id, int top_n);
+
+// The host implementation of SampleSpec (the CPU backend's Backend::sample and the reference for the GPU).
+int32_t sample_row(std::span<const float> logits, const SampleSpec& spec);
 
 // Index of the largest logit (lowest index on ties), as greedy decoding and the goldens use.
 int32_t argmax(std::span<const float> logits);

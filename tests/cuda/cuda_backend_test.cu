@@ -10,11 +10,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <span>
 #include <random>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "formats/scalar.h"
 #include "model/rope.h"
+#include "runtime/sampler.h"
 
 namespace nb {
 namespace {
@@ -214,8 +218,8 @@ TEST_F(CudaOps, LinearEveryFormat) {
   }
 }
 
-// Route every FP4 weight the tensor-core kernel can take through it (by default it takes only large
-// NVFP4 weights), before the first launch reads the switch.
+// Route every FP4 weight the tensor-core kernels can take through them (the default, unless the
+// environment turned them off), before the first launch reads the switch.
 const bool kForceFp4Mma = setenv("NIBBLE_FP4_MMA", "1", 1) == 0;
 
 // The tensor-core FP4 path (kernels/gemv_fp4.cu) takes MXFP4/NVFP4 at m = 1..8: every m, k that does not
@@ -346,12 +350,15 @@ TEST_F(CudaOps, Attention) {
   }
 }
 
+// Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
+// at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 TEST_F(CudaOps, MoeRouteAndExperts) {
-  const int E = 8, top_k = 3, d_model = 64, d_ff = 96;
-  for (int variant = 0; variant < 3; ++variant) {
-    const int64_t T = variant == 2 ? 5 : 1 + variant;
+  for (int variant = 0; variant < 5; ++variant) {
+    const int E = 8, top_k = variant >= 3 ? 4 : 3;
+    const int d_model = variant >= 3 ? 640 : 64, d_ff = variant >= 3 ? 352 : 96;
+    const int64_t T = variant == 2 ? 5 : variant >= 3 ? 3 : 1 + variant;
     const std::vector<float> logits = randn(T * E);
-    const RouterKind kind = variant == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
+    const RouterKind kind = variant % 3 == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
     const Routes cr = cpu_.moe_route(cpu_t(logits, {T, E}), top_k, kind, variant == 1);
     const Routes gr = gpu_->moe_route(gpu_t(logits, {T, E}), top_k, kind, variant == 1);
     const std::vector<float> gw = gpu_->to_host(gr.weights);
@@ -363,8 +370,8 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     MoeExperts ex;
     ex.n_experts = E;
     ex.d_expert = d_ff;
-    ex.layout = variant == 0 ? GluLayout::kInterleaved : GluLayout::kHalves;
-    const WeightFormat f = variant == 0 ? WeightFormat::kMXFP4 : variant == 1 ? WeightFormat::kNVFP4 : WeightFormat::kBF16;
+    ex.layout = variant % 3 == 0 ? GluLayout::kInterleaved : GluLayout::kHalves;
+    const WeightFormat f = variant % 3 == 0 ? WeightFormat::kMXFP4 : variant % 3 == 1 ? WeightFormat::kNVFP4 : WeightFormat::kBF16;
     for (int e = 0; e < E; ++e) {
       ex.fc1.push_back(make_weight(hb_, f, 2 * d_ff, d_model, f == WeightFormat::kNVFP4 ? 2 : 1));
       ex.fc2.push_back(make_weight(hb_, f, d_model, d_ff));
@@ -372,16 +379,18 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       upload(ex.fc2.back());
     }
     MoeExperts gex = ex;
-    if (variant == 0) {
+    if (variant % 3 == 0) {
       const std::vector<float> b1 = randn(E * 2 * d_ff), b2 = randn(E * d_model);
       ex.fc1_bias = cpu_t(b1, {E, 2 * d_ff}), ex.fc2_bias = cpu_t(b2, {E, d_model});
       gex.fc1_bias = gpu_t(b1, {E, 2 * d_ff}), gex.fc2_bias = gpu_t(b2, {E, d_model});
     }
-    const GluParams glu = variant == 0 ? GluParams{Activation::kGptOssClamped, 7.0f} : GluParams{};
+    const GluParams glu = variant % 3 == 0 ? GluParams{Activation::kGptOssClamped, 7.0f} : GluParams{};
     const std::vector<float> x = randn(T * d_model, 4.0f);
     const std::vector<float> want = cpu_.to_host(cpu_.moe_experts(cpu_t(x, {T, d_model}), cr, ex, glu));
     const std::vector<float> got = gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), gr, gex, glu));
-    expect_close(want, got, {2e-4f}, "moe_experts variant " + std::to_string(variant));
+    std::vector<float> tol(want.size());  // fp32 sums of ~k products: an absolute floor plus relative
+    for (size_t i = 0; i < want.size(); ++i) tol[i] = 2e-4f + 2e-5f * std::abs(want[i]);
+    expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant));
   }
 }
 
@@ -454,6 +463,195 @@ TEST_F(CudaOps, RandomWeightsHaveTheRequestedSpread) {
     EXPECT_GT(rms, 0.005) << weight_format_name(f);
     EXPECT_LT(rms, 0.08) << weight_format_name(f);
   }
+}
+
+}  // namespace
+}  // namespace nb
+
+namespace nb {
+namespace {
+
+// Residual add + RMSNorm: the sum is fp32 on both sides (exact); the norm has rms_norm's bound. Both
+// kernel shapes: a block per long row (d >= 512) and a warp per short row.
+TEST_F(CudaOps, AddRmsNorm) {
+  for (auto [rows, d] : {std::pair<int64_t, int64_t>{3, 2880}, {5, 64}}) {
+    const std::vector<float> x = randn(rows * d, 3.0f), y = randn(rows * d), w = randn(d);
+    Tensor cx = cpu_t(x, {rows, d}), gx = gpu_t(x, {rows, d});
+    const std::vector<float> want = cpu_.to_host(cpu_.add_rms_norm(cx, cpu_t(y, {rows, d}), cpu_t(w, {d}), 1e-5f));
+    const std::vector<float> got = gpu_->to_host(gpu_->add_rms_norm(gx, gpu_t(y, {rows, d}), gpu_t(w, {d}), 1e-5f));
+    expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {0.0f}, "add_rms_norm sum, d " + std::to_string(d));
+    expect_close(want, got, {2e-5f * 4}, "add_rms_norm, d " + std::to_string(d));
+  }
+}
+
+// The cache of `layer` as floats, whatever its element type.
+std::vector<float> cache_floats(const Tensor& t) {
+  const int64_t n = t.numel();
+  std::vector<uint8_t> raw(n * dtype_bits(t.dtype) / 8);
+  cudaMemcpy(raw.data(), t.data<uint8_t>(), raw.size(), cudaMemcpyDeviceToHost);
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype == DType::kF32) out[i] = reinterpret_cast<const float*>(raw.data())[i];
+    else if (t.dtype == DType::kBF16) out[i] = fmt::bf16_to_float(reinterpret_cast<const uint16_t*>(raw.data())[i]);
+    else out[i] = fmt::e4m3_to_float(raw[i]);
+  }
+  return out;
+}
+
+// Fused QKV epilogue vs the CPU ops (split, q/k norm, rope, kv_write) for every RoPE variant, with and
+// without q/k norms, into fp32, BF16 and FP8 caches; two sequences over scrambled blocks.
+TEST_F(CudaOps, QkvRopeKvWrite) {
+  const int nh = 8, nkv = 2, hd = 64, n_blocks = 12;
+  BatchInfo b;
+  const std::vector<int32_t> t0 = {7, 2, 9}, t1 = {4, 11};
+  for (int i = 0; i < 3; ++i) b.tokens.push_back(1), b.positions.push_back(30 + i), b.seq_of.push_back(0);
+  for (int i = 0; i < 2; ++i) b.tokens.push_back(1), b.positions.push_back(17 + i), b.seq_of.push_back(1);
+  b.seqs = {SeqInfo{0, 3, 30, t0}, SeqInfo{3, 2, 17, t1}};
+  const int64_t T = b.n_tokens();
+  RopeConfig yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.theta = 150000, yarn.factor = 32, yarn.truncate = false, yarn.original_max_position_embeddings = 4096;
+  RopeConfig llama3;
+  llama3.type = RopeType::kLlama3;
+  llama3.theta = 500000, llama3.factor = 8, llama3.low_freq_factor = 1, llama3.high_freq_factor = 4;
+  llama3.original_max_position_embeddings = 8192;
+  RopeConfig plain;
+  plain.theta = 1000000;
+  const std::vector<RopeTable> ropes = {make_rope_table(yarn, hd), make_rope_table(llama3, hd), make_rope_table(plain, hd)};
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kF8_E4M3}) {
+    CudaBackendOptions o;
+    o.poison = true;
+    o.kv_cache_dtype = kv;
+    auto g = CudaBackend::create(o);
+    ASSERT_TRUE(g.ok());
+    CudaBackend& gpu = **g;
+    for (int ri = 0; ri < 3; ++ri) {
+      for (bool norms : {false, true}) {
+        const RopeTable& rope = ropes[ri];
+        const std::vector<float> qkv = randn(T * (nh + 2 * nkv) * hd, 2.0f), qn = randn(hd), kn = randn(hd);
+        Tensor cqn = cpu_t(qn, {hd}), ckn = cpu_t(kn, {hd});
+        Tensor gqn = gpu.upload(TensorView{qn.data(), DType::kF32, {hd}});
+        Tensor gkn = gpu.upload(TensorView{kn.data(), DType::kF32, {hd}});
+        const QkvParams cp{nh, nkv, hd, norms ? &cqn : nullptr, norms ? &ckn : nullptr, 1e-6f, &rope};
+        const QkvParams gp{nh, nkv, hd, norms ? &gqn : nullptr, norms ? &gkn : nullptr, 1e-6f, &rope};
+        auto cc = cpu_.new_kv_cache(1, n_blocks, nkv, hd);
+        auto gc = gpu.new_kv_cache(1, n_blocks, nkv, hd);
+        const std::vector<float> want =
+            cpu_.to_host(cpu_.qkv_rope_kv_write(cpu_t(qkv, {T, (nh + 2 * nkv) * hd}), cp, *cc, 0, b));
+        const std::vector<float> got = gpu.to_host(
+            gpu.qkv_rope_kv_write(gpu.upload(TensorView{qkv.data(), DType::kF32, {T, (nh + 2 * nkv) * hd}}), gp, *gc, 0, b));
+        // |values| up to ~10 (|x| ~ 2 x 4 sigma, norm weights ~ 3); rope and norm are a few fp32 ops each, and
+        // the angle p * inv_freq is the same fp32 product on both sides.
+        const std::string what = "qkv_rope_kv_write kv " + std::string(dtype_name(kv)) + " rope " +
+                                 std::to_string(ri) + (norms ? " norms" : "");
+        expect_close(want, got, {1e-4f}, what + " q");
+        // The cache: fp32 the same bound; BF16 and FP8 the element rounding (2^-8 and 2^-4 relative, half
+        // an ulp) of the CPU's fp32 value on top, plus FP8's smallest subnormal step.
+        for (int kv_i = 0; kv_i < 2; ++kv_i) {
+          const std::vector<float> cw = cpu_.to_host(kv_i ? cc->v[0] : cc->k[0]);
+          const std::vector<float> gw = cache_floats(kv_i ? gc->v[0] : gc->k[0]);
+          std::vector<float> tol(cw.size());
+          const float rel = kv == DType::kF32 ? 0.0f : kv == DType::kBF16 ? 1.0f / 256 : 1.0f / 16;
+          const float abs_floor = kv == DType::kF8_E4M3 ? 1.0f / 512 : 0.0f;
+          for (size_t i = 0; i < cw.size(); ++i) tol[i] = 1e-4f + rel * std::abs(cw[i]) + abs_floor;
+          expect_close(cw, gw, tol, what + (kv_i ? " v cache" : " k cache"));
+        }
+      }
+    }
+  }
+}
+
+// Logits [rows, vocab] on both backends, every row the same.
+std::vector<float> repeat_rows(const std::vector<float>& row, int64_t rows) {
+  std::vector<float> out;
+  for (int64_t r = 0; r < rows; ++r) out.insert(out.end(), row.begin(), row.end());
+  return out;
+}
+
+// Greedy: the host's argmax exactly, ties to the lowest id, on a gpt-oss sized vocabulary; top-k 1,
+// a tiny top-p and min-p 1 reduce to it too.
+TEST_F(CudaOps, SampleGreedyIsHostArgmax) {
+  const int64_t vocab = 201088, rows = 6;
+  std::vector<float> l = randn(rows * vocab, 3.0f);
+  l[1 * vocab + 5000] = l[1 * vocab + 9000] = 50.0f;  // a tie: id 5000 wins
+  l[2 * vocab + vocab - 1] = 60.0f;                   // the last id
+  l[3 * vocab + 0] = 60.0f;                           // the first id
+  for (int64_t i = 0; i < vocab; ++i) l[4 * vocab + i] = -1.0f;  // all equal: id 0
+  Tensor g = gpu_t(l, {rows, vocab});
+  std::vector<int32_t> want(rows);
+  for (int64_t r = 0; r < rows; ++r) want[r] = argmax(std::span<const float>(l.data() + r * vocab, vocab));
+  EXPECT_EQ(want[1], 5000);
+  std::vector<SampleSpec> greedy(rows);
+  EXPECT_EQ(gpu_->sample(g, greedy), want);
+  EXPECT_EQ(cpu_.sample(cpu_t(l, {rows, vocab}), greedy), want);
+  for (double u : {0.0, 0.5, 0.999999}) {
+    std::vector<SampleSpec> k1(rows, SampleSpec{0.8f, 1.0f, 1, 0.0f, u});
+    EXPECT_EQ(gpu_->sample(g, k1), want) << "top_k 1, u " << u;
+    std::vector<SampleSpec> p0(rows, SampleSpec{0.8f, 1e-6f, 0, 0.0f, u});
+    std::vector<int32_t> w2 = want;
+    w2[4] = 0;
+    EXPECT_EQ(gpu_->sample(g, p0), w2) << "top_p 1e-6, u " << u;
+  }
+  // min_p 1 keeps the top probability only (no ties in rows 0, 2, 3, 5).
+  std::vector<SampleSpec> m1(rows, SampleSpec{1.0f, 1.0f, 0, 1.0f, 0.7});
+  const std::vector<int32_t> got = gpu_->sample(g, m1);
+  for (int r : {0, 2, 3, 5}) EXPECT_EQ(got[r], want[r]) << "min_p 1, row " << r;
+}
+
+// Stratified draws: row i gets u = (i + 0.5) / N, so each token's count is N times its probability to
+// within one or two, on the host (sorted order) and the GPU (id order) alike; counts must agree to +-2.
+// Also the same specs twice give the same ids (the draw is the host's, so a seed reproduces a stream).
+void expect_same_distribution(CudaOps* t, CpuBackend& cpu, CudaBackend& gpu, const std::vector<float>& row,
+                              SampleSpec spec, int64_t n, const std::string& what) {
+  (void)t;
+  const int64_t vocab = static_cast<int64_t>(row.size());
+  const std::vector<float> l = repeat_rows(row, n);
+  std::vector<SampleSpec> specs(n, spec);
+  for (int64_t i = 0; i < n; ++i) specs[i].u = (i + 0.5) / n;
+  Tensor ct = cpu.alloc(DType::kF32, {n, vocab});
+  std::copy(l.begin(), l.end(), ct.data<float>());
+  Tensor gt = gpu.upload(TensorView{l.data(), DType::kF32, {n, vocab}});
+  const std::vector<int32_t> want = cpu.sample(ct, specs), got = gpu.sample(gt, specs);
+  EXPECT_EQ(gpu.sample(gt, specs), got) << what << ": not reproducible";
+  std::map<int32_t, int> cw, cg;
+  for (int32_t id : want) ++cw[id];
+  for (int32_t id : got) ++cg[id];
+  for (auto& [id, c] : cw) EXPECT_NEAR(cg[id], c, 2) << what << ": token " << id;
+  for (auto& [id, c] : cg) EXPECT_NEAR(cw[id], c, 2) << what << ": token " << id;
+}
+
+TEST_F(CudaOps, SampleMatchesHostDistribution) {
+  // A small vocabulary with a tie, and a 4096-token one with realistic spread (the host sorts every row).
+  std::vector<float> small = {1.0f, 2.5f, 0.3f, 2.5f, -1.0f, 1.7f, 0.0f, 2.2f};
+  const std::vector<float> big = randn(4096, 2.5f);
+  const SampleSpec specs[] = {
+      {1.0f, 1.0f, 0, 0.0f, 0},   {0.7f, 1.0f, 0, 0.0f, 0},  {1.3f, 1.0f, 5, 0.0f, 0},
+      {1.0f, 0.8f, 0, 0.0f, 0},   {0.9f, 0.9f, 4, 0.0f, 0},  {1.0f, 1.0f, 0, 0.2f, 0},
+      {1.1f, 0.95f, 6, 0.05f, 0}, {1.0f, 1.0f, 2, 0.0f, 0},  {1.0f, 0.5f, 3, 0.0f, 0},
+  };
+  for (const SampleSpec& s : specs) {
+    const std::string what = "T " + std::to_string(s.temperature) + " top_p " + std::to_string(s.top_p) +
+                             " top_k " + std::to_string(s.top_k) + " min_p " + std::to_string(s.min_p);
+    expect_same_distribution(this, cpu_, *gpu_, small, s, 4000, "vocab 8, " + what);
+    SampleSpec sb = s;
+    if (sb.top_k > 0) sb.top_k *= 10;
+    expect_same_distribution(this, cpu_, *gpu_, big, sb, 1000, "vocab 4096, " + what);
+  }
+}
+
+}  // namespace
+}  // namespace nb
+
+namespace nb {
+namespace {
+
+// A KV cache larger than the GPU is one line naming it and exit status 1, not an abort. (threadsafe
+// death tests re-run the binary, so the child has a fresh CUDA context.)
+TEST_F(CudaOps, KvCacheTooLargeIsOneLineError) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(gpu_->new_kv_cache(64, 4'000'000, 8, 128), ::testing::ExitedWithCode(1),
+              "^nibble: error: out of GPU memory allocating [0-9.]+ GiB for the KV cache \\(4000000 blocks of 16 "
+              "tokens, 64 layers\\) \\(free [0-9.]+ GiB of [0-9.]+ GiB\\); lower --max-model-len");
 }
 
 }  // namespace

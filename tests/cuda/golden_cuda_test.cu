@@ -41,10 +41,14 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
     ref_nll_ = ref_["nll"].get<std::vector<double>>();
     load(DType::kF32);
   }
-  void load(DType kv, int prefill_attention_min_tokens = 0) {
+  // gemm: 0 the default thresholds, 1 every linear and MoE layer through the prefill GEMMs (hi + lo
+  // activations), 2 the same with one fp16 per activation.
+  void load(DType kv, int gemm = 0, int prefill_attention_min_tokens = 0) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.kv_cache_dtype = kv;
+    if (gemm > 0) o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
+    o.gemm_fp16_activations = gemm == 2;
     o.prefill_attention_min_tokens = prefill_attention_min_tokens;
     auto m = Model::load(dir_, o);
     ASSERT_TRUE(m.ok()) << m.status().message();
@@ -90,6 +94,22 @@ TEST_P(GoldenCuda, Nll) {
   EXPECT_LT(chunks, kNllTolerance);
 }
 
+// The prompts (64 tokens) are below the default GEMM thresholds in places, so force the prefill GEMMs
+// (kernels/gemm_fp4.cu, moe_gemm.cu) for every FP4 linear and MoE layer: with hi + lo activations they
+// keep the CI bound; one fp16 per activation is reported.
+TEST_P(GoldenCuda, NllThroughPrefillGemms) {
+  load(DType::kF32, 1);
+  const double one = chunked_nll_error({64}, {0, 1, 2, 3});
+  const double chunks = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
+  load(DType::kF32, 2);
+  const double fp16 = chunked_nll_error({64}, {0, 1, 2, 3});
+  std::printf("%s cuda, prefill GEMMs: max NLL error, one batch %.2e, chunks %.2e; fp16 activations %.2e\n",
+              GetParam().c_str(), one, chunks, fp16);
+  EXPECT_LT(one, kNllTolerance);
+  EXPECT_LT(chunks, kNllTolerance);
+  EXPECT_TRUE(std::isfinite(fp16));
+}
+
 TEST_P(GoldenCuda, TwoSequencesOneBatch) {
   auto cache = model_->new_kv_cache(8);
   Batch b;
@@ -127,7 +147,7 @@ TEST_P(GoldenCuda, GreedyWithKvCache) {
 // The tiled prefill attention for every step (one-token steps included): one batch, chunks of many sizes
 // through the cached prefix (the gpt-oss model's window is 8, so most chunks start past it).
 TEST_P(GoldenCuda, TiledAttentionEverywhere) {
-  load(DType::kF32, 1);
+  load(DType::kF32, 0, 1);
   const double one = chunked_nll_error({64}, {0, 1, 2, 3});
   const double chunks = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
   const double small = chunked_nll_error({5, 7, 3, 9, 17, 6, 17}, {3, 0, 7, 5});

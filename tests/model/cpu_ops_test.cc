@@ -347,3 +347,74 @@ TEST(Moe, ExpertsMatchDirect) {
 
 }  // namespace
 }  // namespace nb
+
+namespace nb {
+namespace {
+
+TEST(Norm, AddRmsNormAddsInPlaceThenNorms) {
+  CpuBackend be(1);
+  const std::vector<float> x = randn(3 * 16), y = randn(3 * 16), w = randn(16);
+  Tensor tx = to_tensor(be, x, {3, 16});
+  Tensor out = be.add_rms_norm(tx, to_tensor(be, y, {3, 16}), to_tensor(be, w, {16}), 1e-5f);
+  for (int r = 0; r < 3; ++r) {
+    double ms = 0;
+    for (int i = 0; i < 16; ++i) ms += double{x[r * 16 + i] + y[r * 16 + i]} * (x[r * 16 + i] + y[r * 16 + i]) / 16;
+    for (int i = 0; i < 16; ++i) {
+      const float sum = x[r * 16 + i] + y[r * 16 + i];
+      EXPECT_EQ(tx.data<float>()[r * 16 + i], sum);
+      EXPECT_NEAR(out.data<float>()[r * 16 + i], w[i] * sum / std::sqrt(ms + 1e-5), 1e-5);
+    }
+  }
+}
+
+// The fused QKV epilogue against direct formulas: per-head RMSNorm, then the half-split rotation by
+// position * inv_freq (scaled by attention_scale), q returned, k and v at their paged slots.
+TEST(Attention, QkvRopeKvWriteMatchesDirect) {
+  CpuBackend be(1);
+  const int nh = 4, nkv = 2, hd = 8, half = hd / 2, row = (nh + 2 * nkv) * hd;
+  RopeConfig rc = gpt_oss_rope();
+  const RopeTable rope = make_rope_table(rc, hd);
+  BatchInfo b;
+  b.tokens = {1, 1, 1};
+  b.positions = {20, 21, 5};
+  b.seq_of = {0, 0, 1};
+  b.seqs = {SeqInfo{0, 2, 20, {3, 0}}, SeqInfo{2, 1, 5, {1}}};
+  const std::vector<float> qkv = randn(3 * row), qn = randn(hd), kn = randn(hd);
+  Tensor tqn = to_tensor(be, qn, {hd}), tkn = to_tensor(be, kn, {hd});
+  for (bool norms : {false, true}) {
+    auto cache = be.new_kv_cache(1, 4, nkv, hd);
+    const QkvParams p{nh, nkv, hd, norms ? &tqn : nullptr, norms ? &tkn : nullptr, 1e-6f, &rope};
+    Tensor q = be.qkv_rope_kv_write(to_tensor(be, qkv, {3, row}), p, *cache, 0, b);
+    ASSERT_EQ(q.shape, (std::vector<int64_t>{3, nh, hd}));
+    for (int t = 0; t < 3; ++t) {
+      const int pos = b.positions[t];
+      const int64_t slot = int64_t{b.seqs[b.seq_of[t]].block_table[pos / kKvBlock]} * kKvBlock + pos % kKvBlock;
+      for (int h = 0; h < nh + 2 * nkv; ++h) {
+        const float* x = qkv.data() + t * row + h * hd;
+        const bool is_q = h < nh, is_v = h >= nh + nkv;
+        std::vector<double> v(x, x + hd);
+        if (norms && !is_v) {
+          double ms = 0;
+          for (double e : v) ms += e * e / hd;
+          for (int i = 0; i < hd; ++i) v[i] = (is_q ? qn : kn)[i] * v[i] / std::sqrt(ms + 1e-6);
+        }
+        std::vector<double> want = v;
+        if (!is_v) {
+          for (int i = 0; i < half; ++i) {
+            const double a = static_cast<float>(pos) * rope.inv_freq[i];
+            const double c = std::cos(a) * rope.attention_scale, s = std::sin(a) * rope.attention_scale;
+            want[i] = v[i] * c - v[i + half] * s;
+            want[i + half] = v[i + half] * c + v[i] * s;
+          }
+        }
+        const float* got = is_q    ? q.data<float>() + (t * nh + h) * hd
+                           : is_v ? cache->v[0].data<float>() + (slot * nkv + h - nh - nkv) * hd
+                                  : cache->k[0].data<float>() + (slot * nkv + h - nh) * hd;
+        for (int i = 0; i < hd; ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << "t " << t << " head " << h << " dim " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nb

@@ -79,3 +79,24 @@ TEST(Sampler, ValidateNamesTheField) {
 
 }  // namespace
 }  // namespace nb
+
+namespace nb {
+namespace {
+
+// Sampling elsewhere (Backend::sample) takes the rule and draw from next(): the same ids as sample() for
+// one seed, and greedy requests draw nothing.
+TEST(Sampler, NextGivesTheSameStreamAsSample) {
+  const std::vector<float> logits = {0.5f, 1.5f, -0.2f, 1.1f, 0.9f, 2.0f};
+  SamplingParams p;
+  p.temperature = 0.9f, p.top_k = 4, p.top_p = 0.95f, p.seed = 1234, p.has_seed = true;
+  Sampler a(p), b(p);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(a.sample(logits), sample_row(logits, b.next()));
+  p.temperature = 0.0f;
+  EXPECT_EQ(Sampler(p).next().u, 0.0);
+  // u = 0 picks the most likely token; u just below 1 the last kept one (top-k 4 in sorted order: 5, 1, 3, 4).
+  EXPECT_EQ(sample_row(logits, SampleSpec{1.0f, 1.0f, 4, 0.0f, 0.0}), 5);
+  EXPECT_EQ(sample_row(logits, SampleSpec{1.0f, 1.0f, 4, 0.0f, 0.999999}), 4);
+}
+
+}  // namespace
+}  // namespace nb

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <random>
+#include <span>
+
+#include "runtime/sampler.h"
 
 namespace nb {
 namespace {
@@ -90,6 +94,11 @@ Tensor CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps) {
   return out;
 }
 
+Tensor CpuBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) {
+  add(x, y);
+  return rms_norm(x, w, eps);
+}
+
 void CpuBackend::matmul(const float* x, int64_t n_rows, const Weight& w, const float* bias, float* out) {
   const int64_t k = w.k, n = w.n;
   pool_.parallel_for(
@@ -148,6 +157,29 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
     std::memcpy(kc + slot * row, k.data<float>() + t * row, row * sizeof(float));
     std::memcpy(vc + slot * row, v.data<float>() + t * row, row * sizeof(float));
   }
+}
+
+Tensor CpuBackend::qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                                     const BatchInfo& b) {
+  const int64_t T = qkv.dim(0), hd = p.head_dim, nh = p.n_heads, nkv = p.n_kv_heads;
+  NB_CHECK(qkv.numel() == T * (nh + 2 * nkv) * hd && T == b.n_tokens() && p.rope,
+           "qkv_rope_kv_write: qkv " + shape_string(qkv.shape) + " for " + std::to_string(nh) + " + 2 x " +
+               std::to_string(nkv) + " heads of " + std::to_string(hd));
+  // Split the rows into q, k, v, then the separate ops in the order the models ran them.
+  Tensor q = alloc(DType::kF32, {T, nh, hd}), k = alloc(DType::kF32, {T, nkv, hd}), v = alloc(DType::kF32, {T, nkv, hd});
+  const int64_t row = (nh + 2 * nkv) * hd;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = qkv.data<float>() + t * row;
+    std::copy_n(src, nh * hd, q.data<float>() + t * nh * hd);
+    std::copy_n(src + nh * hd, nkv * hd, k.data<float>() + t * nkv * hd);
+    std::copy_n(src + (nh + nkv) * hd, nkv * hd, v.data<float>() + t * nkv * hd);
+  }
+  if (p.q_norm) q = rms_norm(q, *p.q_norm, p.eps);
+  if (p.k_norm) k = rms_norm(k, *p.k_norm, p.eps);
+  rope(q, b, *p.rope);
+  rope(k, b, *p.rope);
+  kv_write(cache, layer, k, v, b);
+  return q;
 }
 
 Tensor CpuBackend::attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
@@ -306,6 +338,83 @@ Tensor CpuBackend::gather_rows(const Tensor& x, const std::vector<int32_t>& rows
   for (size_t r = 0; r < rows.size(); ++r)
     std::memcpy(out.data<uint8_t>() + r * bytes, x.data<uint8_t>() + rows[r] * bytes, bytes);
   return out;
+}
+
+// ---- WeightFactory: the CUDA backend's recipe (quant.cu), on the host with std::mt19937_64.
+
+Weight CpuBackend::random_weight(WeightFormat format, int64_t n, int64_t k, float std, uint64_t seed,
+                                 const std::string& name) {
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> pm1(-1.0f, 1.0f);
+  auto bytes = [](int64_t size) { return std::shared_ptr<uint8_t[]>(new uint8_t[std::max<int64_t>(size, 1)]()); };
+  Weight w;
+  w.format = format;
+  w.n = n;
+  w.k = k;
+  WeightPart p;
+  p.rows = n;
+  p.name = name;
+  std::shared_ptr<uint8_t[]> data, scales;
+  const float fp4_scale = std / 2.93f;  // E2M1 codes uniform over all 16 have RMS 2.93
+  switch (format) {
+    case WeightFormat::kBF16: {
+      data = bytes(n * k * 2);
+      auto* d = reinterpret_cast<uint16_t*>(data.get());
+      for (int64_t i = 0; i < n * k; ++i) d[i] = fmt::float_to_bf16(std * 1.7320508f * pm1(g));
+      p.data = TensorView{data.get(), DType::kBF16, {n, k}};
+      break;
+    }
+    case WeightFormat::kFP8E4M3: {
+      data = bytes(n * k), scales = bytes(n * 4);
+      const float scale = 4 * std / 448.0f;
+      for (int64_t i = 0; i < n * k; ++i) data[i] = fmt::float_to_e4m3(std * 1.7320508f * pm1(g) / scale);
+      for (int64_t r = 0; r < n; ++r) reinterpret_cast<float*>(scales.get())[r] = scale;
+      p.data = TensorView{data.get(), DType::kU8, {n, k}};
+      p.scales = TensorView{scales.get(), DType::kF32, {n}};
+      break;
+    }
+    case WeightFormat::kMXFP4:
+    case WeightFormat::kNVFP4: {
+      const bool nv = format == WeightFormat::kNVFP4;
+      const int64_t block = nv ? 16 : 32;
+      data = bytes(n * k / 2), scales = bytes(n * k / block);
+      for (int64_t i = 0; i < n * k / 2; ++i) data[i] = static_cast<uint8_t>(g());
+      const int center = 127 + static_cast<int>(std::floor(std::log2(fp4_scale)));
+      for (int64_t i = 0; i < n * k / block; ++i)
+        scales[i] = nv ? fmt::float_to_ue4m3(fp4_scale * 448.0f * (0.75f + 0.5f * (pm1(g) + 1) / 2))
+                       : static_cast<uint8_t>(center + static_cast<int>(g() % 2));
+      p.data = TensorView{data.get(), DType::kU8, {n, k / 2}};
+      p.scales = TensorView{scales.get(), nv ? DType::kF8_E4M3 : DType::kU8, {n, k / block}};
+      if (nv) p.global_scale = 1.0f / 448.0f;
+      break;
+    }
+  }
+  p.owner = std::make_shared<std::pair<std::shared_ptr<uint8_t[]>, std::shared_ptr<uint8_t[]>>>(data, scales);
+  w.parts.push_back(std::move(p));
+  return w;
+}
+
+Tensor CpuBackend::random_floats(const std::vector<int64_t>& shape, float mean, float std, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> pm1(-1.0f, 1.0f);
+  Tensor t = alloc(DType::kF32, shape);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = mean + std * 1.7320508f * pm1(g);
+  return t;
+}
+
+Result<Weight> CpuBackend::requantize(const Weight& w, WeightFormat) {
+  return error((w.parts.empty() ? std::string("--dense-format") : "--dense-format (" + w.parts[0].name + ")") +
+               ": re-quantization needs the CUDA backend");
+}
+
+std::vector<int32_t> CpuBackend::sample(const Tensor& logits, const std::vector<SampleSpec>& specs) {
+  const int64_t rows = logits.dim(0), vocab = logits.dim(-1);
+  NB_CHECK(static_cast<int64_t>(specs.size()) == rows, "sample: " + std::to_string(specs.size()) +
+                                                           " specs for " + std::to_string(rows) + " rows");
+  std::vector<int32_t> ids(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    ids[r] = sample_row(std::span<const float>(logits.data<float>() + r * vocab, vocab), specs[r]);
+  return ids;
 }
 
 }  // namespace nb

@@ -6,10 +6,13 @@
 
 #include "backend/backend.h"
 #include "base/thread_pool.h"
+#include "model/weight_factory.h"
 
 namespace nb {
 
-class CpuBackend final : public Backend {
+// Also a WeightFactory for --dummy-weights (random weights of a config's shapes in host memory, small
+// configs for tests); re-quantization (--dense-format) is the CUDA backend's.
+class CpuBackend final : public Backend, public WeightFactory {
  public:
   explicit CpuBackend(int n_threads = 0) : pool_(n_threads) {}
   std::string name() const override { return "cpu (" + std::to_string(pool_.size()) + " threads)"; }
@@ -21,17 +24,26 @@ class CpuBackend final : public Backend {
 
   Tensor embedding(const Weight& table, const BatchInfo& b) override;
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
+  Tensor add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) override;
   Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) override;
   void rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) override;
   Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
                    const AttentionParams& p) override;
+  Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                           const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                      const GluParams& glu) override;
   Tensor swiglu(const Tensor& gate, const Tensor& up) override;
   void add(Tensor& x, const Tensor& y) override;
   Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
+  std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
+
+  Weight random_weight(WeightFormat format, int64_t n, int64_t k, float std, uint64_t seed,
+                       const std::string& name) override;
+  Tensor random_floats(const std::vector<int64_t>& shape, float mean, float std, uint64_t seed) override;
+  Result<Weight> requantize(const Weight& w, WeightFormat format) override;
 
  private:
   // out[t, n] = x[t, :] . w[n, :] (+ bias[n]) for the n_rows rows of x; each weight row is decoded once.

@@ -15,10 +15,14 @@
 #include "base/log.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/gemm_fp4.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
+#include "kernels/moe_gemm.cuh"
 #include "kernels/norm_rope.cuh"
+#include "kernels/qkv_rope.cuh"
 #include "kernels/quant.cuh"
+#include "kernels/sample.cuh"
 
 namespace nb {
 
@@ -65,14 +69,8 @@ class Pool {
       release_all();
       err = cudaMalloc(&p, bytes);
     }
-    if (err != cudaSuccess) {
-      size_t free_b = 0, total_b = 0;
-      (void)cudaGetLastError();
-      cudaMemGetInfo(&free_b, &total_b);
-      NB_CHECK(false, "CUDA out of memory: allocating " + std::to_string(bytes >> 20) + " MiB with " +
-                          std::to_string(free_b >> 20) + " MiB free of " + std::to_string(total_b >> 20) +
-                          " MiB; use fewer KV blocks or a smaller batch");
-    }
+    if (err != cudaSuccess)
+      cuda_oom(bytes, "activations", "use a smaller batch (--max-num-seqs, --max-num-batched-tokens) or KV cache");
     return p;
   }
   void put(void* p, size_t bytes) {
@@ -109,8 +107,16 @@ struct Region {
 
 struct ExpertDev {
   cuda::ExpertTable table;
-  Tensor fc1, fc2;  // the DevWeight arrays, device memory
+  Tensor fc1, fc2;      // the DevWeight arrays, device memory
+  bool vec_ok = true;   // every expert's rows are 16-byte aligned (the grouped GEMM's cp.async needs it)
 };
+
+// Token counts from which the tensor-core GEMMs beat the GEMV kernels (bench/gemm_bench.cu, crossover
+// table; H200, 2026-11-22): the GEMV path re-reads the weight for every 4 tokens (linear) or every
+// (token, choice) pair (MoE). QKV broke even at 16 tokens and was 1.7x faster at 32; the gpt-oss-20b MoE
+// layer broke even at 32 and was 2.4x faster at 64.
+constexpr int kGemmMinTokens = 32;
+constexpr int kMoeGemmMinTokens = 48;
 
 KvKind kv_kind_of(DType t) {
   switch (t) {
@@ -133,7 +139,8 @@ struct CudaBackend::Impl {
   std::vector<Region> regions;          // sorted by host_begin
   std::vector<void*> owned;             // weight buffers: checkpoint copies, re-quantized, random
   std::unordered_map<const void*, ExpertDev> experts;   // by fc1[0]'s data pointer
-  std::unordered_map<const float*, Tensor> rope_tables;  // by RopeTable::inv_freq.data()
+  // By RopeTable::inv_freq.data(): the host values and their device copy.
+  std::unordered_map<const float*, std::pair<std::vector<float>, Tensor>> rope_tables;
   // The last batch's metadata, on the host (to see whether it changed) and on the device.
   std::vector<int32_t> h_batch;
   Tensor d_batch;
@@ -183,7 +190,7 @@ struct CudaBackend::Impl {
       pool->release_all();
       err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
     }
-    NB_CHECK(err == cudaSuccess, "CUDA out of memory allocating " + std::to_string(bytes >> 20) + " MiB of weights");
+    if (err != cudaSuccess) cuda_oom(bytes, "weights", "");
     owned.push_back(p);
     return p;
   }
@@ -422,6 +429,19 @@ std::unique_ptr<KvCache> CudaBackend::new_kv_cache(int n_layers, int n_blocks, i
   auto cache = std::make_unique<KvCache>();
   cache->n_blocks = n_blocks;
   const DType dt = impl_->options.kv_cache_dtype;
+  // The whole cache up front, so that too large a cache is one message naming it, not a failure in a step.
+  const size_t layer_bytes = static_cast<size_t>(n_blocks) * kKvBlock * n_kv_heads * head_dim * dtype_bits(dt) / 8;
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (2 * n_layers * Pool::size_class(layer_bytes) > free_b) {
+    impl_->pool->release_all();
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  }
+  if (2 * n_layers * Pool::size_class(layer_bytes) > free_b)
+    cuda_oom(2 * n_layers * layer_bytes,
+             "the KV cache (" + std::to_string(n_blocks) + " blocks of " + std::to_string(kKvBlock) + " tokens, " +
+                 std::to_string(n_layers) + " layers)",
+             "lower --max-model-len, --num-gpu-blocks-override or --kv-cache-memory-bytes");
   for (int l = 0; l < n_layers; ++l) {
     cache->k.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
     cache->v.push_back(alloc(dt, {n_blocks, kKvBlock, n_kv_heads, head_dim}));
@@ -451,6 +471,18 @@ Tensor CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps) {
   return out;
 }
 
+Tensor CudaBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) {
+  check_f32(x, "add_rms_norm");
+  check_f32(y, "add_rms_norm");
+  const int64_t d = x.dim(-1);
+  NB_CHECK(x.numel() == y.numel() && w.numel() == d,
+           "add_rms_norm: x " + shape_string(x.shape) + ", y " + shape_string(y.shape) + ", weight " + shape_string(w.shape));
+  Tensor out = alloc(DType::kF32, x.shape);
+  cuda::launch_rms_norm(x.data<float>(), y.data<float>(), w.data<float>(), x.numel() / d, static_cast<int>(d), eps,
+                        out.data<float>(), impl_->stream);
+  return out;
+}
+
 Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias) {
   check_f32(x, "linear");
   NB_CHECK(x.dim(-1) == w.k, "linear: input " + shape_string(x.shape) + " for weight " + w.shape_string());
@@ -458,22 +490,41 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   std::vector<int64_t> shape = x.shape;
   shape.back() = w.n;
   Tensor out = alloc(DType::kF32, shape);
-  cuda::launch_linear(impl_->dev_weight(w), x.data<float>(), x.numel() / w.k, bias ? bias->data<float>() : nullptr,
-                      out.data<float>(), impl_->stream);
+  const DevWeight dw = impl_->dev_weight(w);
+  const int64_t m = x.numel() / w.k;
+  const float* b = bias ? bias->data<float>() : nullptr;
+  const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
+  if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
+    const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+    Tensor scratch = alloc(DType::kU8, {cuda::gemm_activations_bytes(m, static_cast<int>(w.k), mode)});
+    const cuda::GemmActivations a = cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode);
+    cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
+    cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
+    return out;
+  }
+  cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->stream);
   return out;
+}
+
+// The RoPE table's inverse frequencies on the device, uploaded at first use (before any graph capture).
+static const float* rope_table(CudaBackend& be, CudaBackend::Impl& I, const RopeTable& rope) {
+  // Keyed by address, checked by value: a table freed and another made at the same address (tests do
+  // that) must not find the old copy.
+  auto it = I.rope_tables.find(rope.inv_freq.data());
+  if (it == I.rope_tables.end() || it->second.first != rope.inv_freq) {
+    TensorView v{rope.inv_freq.data(), DType::kF32, {static_cast<int64_t>(rope.inv_freq.size())}};
+    it = I.rope_tables.insert_or_assign(rope.inv_freq.data(), std::make_pair(rope.inv_freq, be.upload(v))).first;
+  }
+  return it->second.second.data<float>();
 }
 
 void CudaBackend::rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) {
   check_f32(x, "rope");
   const int64_t half = x.dim(2) / 2;
   NB_CHECK(x.dim(0) == b.n_tokens() && static_cast<int64_t>(rope.inv_freq.size()) == half, "rope shapes");
-  auto it = impl_->rope_tables.find(rope.inv_freq.data());
-  if (it == impl_->rope_tables.end()) {
-    TensorView v{rope.inv_freq.data(), DType::kF32, {half}};
-    it = impl_->rope_tables.emplace(rope.inv_freq.data(), upload(v)).first;
-  }
+  const float* inv_freq = rope_table(*this, *impl_, rope);
   const cuda::DevBatch& db = impl_->batch(b);
-  cuda::launch_rope(x.data<float>(), db.positions, it->second.data<float>(), rope.attention_scale, x.dim(0),
+  cuda::launch_rope(x.data<float>(), db.positions, inv_freq, rope.attention_scale, x.dim(0),
                     static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), impl_->stream);
 }
 
@@ -485,6 +536,33 @@ void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Ten
   const cuda::DevBatch& db = impl_->batch(b);
   cuda::launch_kv_write(kv_kind_of(kc.dtype), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(), k.data<float>(),
                         v.data<float>(), db, static_cast<int>(k.dim(1)), static_cast<int>(k.dim(2)), impl_->stream);
+}
+
+Tensor CudaBackend::qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                                      const BatchInfo& b) {
+  check_f32(qkv, "qkv_rope_kv_write");
+  const int64_t T = qkv.dim(0), hd = p.head_dim;
+  const Tensor& kc = cache.k[layer];
+  NB_CHECK(p.rope && qkv.numel() == T * (p.n_heads + 2 * p.n_kv_heads) * hd && T == b.n_tokens() &&
+               kc.dim(2) == p.n_kv_heads && kc.dim(3) == hd && static_cast<int64_t>(p.rope->inv_freq.size()) == hd / 2,
+           "qkv_rope_kv_write: qkv " + shape_string(qkv.shape) + " for " + std::to_string(p.n_heads) + " + 2 x " +
+               std::to_string(p.n_kv_heads) + " heads of " + std::to_string(hd) + ", cache " + shape_string(kc.shape));
+  NB_CHECK((!p.q_norm || p.q_norm->numel() == hd) && (!p.k_norm || p.k_norm->numel() == hd),
+           "qkv_rope_kv_write: q/k norm weights must have head_dim elements");
+  cuda::QkvRopeShape s;
+  s.n_heads = p.n_heads;
+  s.n_kv_heads = p.n_kv_heads;
+  s.head_dim = p.head_dim;
+  s.q_norm = p.q_norm ? p.q_norm->data<float>() : nullptr;
+  s.k_norm = p.k_norm ? p.k_norm->data<float>() : nullptr;
+  s.eps = p.eps;
+  s.inv_freq = rope_table(*this, *impl_, *p.rope);
+  s.attention_scale = p.rope->attention_scale;
+  const cuda::DevBatch& db = impl_->batch(b);
+  Tensor q = alloc(DType::kF32, {T, p.n_heads, hd});
+  cuda::launch_qkv_rope_kv_write(kv_kind_of(kc.dtype), qkv.data<float>(), s, db, kc.data<uint8_t>(),
+                                 cache.v[layer].data<uint8_t>(), q.data<float>(), impl_->stream);
+  return q;
 }
 
 Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
@@ -547,6 +625,7 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   for (int e = 0; e < ex.n_experts; ++e) {
     fc1.push_back(dev_weight(ex.fc1[e]));
     fc2.push_back(dev_weight(ex.fc2[e]));
+    d.vec_ok = d.vec_ok && fc1.back().vec_ok && fc2.back().vec_ok;
     NB_CHECK(fc1.back().kind == fc1[0].kind && fc2.back().kind == fc1[0].kind,
              "moe_experts: every expert projection must share one format");
   }
@@ -565,6 +644,8 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   t.d_model = static_cast<int>(ex.fc1[0].k);
   t.fc1_bias = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
   t.fc2_bias = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
+  t.fp4_vec_ok = true;  // the FP4 tensor-core kernels need every expert's rows 16-byte aligned
+  for (int e = 0; e < ex.n_experts; ++e) t.fp4_vec_ok = t.fp4_vec_ok && fc1[e].vec_ok && fc2[e].vec_ok;
   return experts.emplace(key, std::move(d)).first->second;
 }
 
@@ -594,7 +675,25 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
 }
 
 Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
-  return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+  const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
+  const ExpertDev& d = impl_->expert_tables(ex);
+  const int min_t = impl_->options.moe_gemm_min_tokens > 0 ? impl_->options.moe_gemm_min_tokens : kMoeGemmMinTokens;
+  if (n_tokens < min_t || !d.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+  // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
+  check_f32(x, "moe_experts");
+  NB_CHECK(x.dim(1) == d.table.d_model && routes.ids.dim(0) == n_tokens, "moe_experts: input " + shape_string(x.shape));
+  const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+  Tensor scratch = alloc(DType::kU8, {cuda::moe_gemm_scratch_bytes(d.table, n_tokens * top_k, mode)});
+  const cuda::MoeGemmScratch ws = cuda::moe_gemm_scratch_in(scratch.data<uint8_t>(), d.table, n_tokens * top_k, mode);
+  Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
+  const bool inter = ex.layout == GluLayout::kInterleaved;
+  const cuda::Glu g = glu.activation == Activation::kGptOssClamped
+                          ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
+                          : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
+  cuda::launch_moe_gemm(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
+                        static_cast<int>(top_k), x.data<float>(), g, glu.limit, mode, ws, y.data<float>(),
+                        impl_->stream);
+  return y;
 }
 
 Tensor CudaBackend::run_graphed(const BatchInfo& b, const KvCache& cache, const std::function<Tensor()>& step) {
@@ -661,6 +760,26 @@ Tensor CudaBackend::gather_rows(const Tensor& x, const std::vector<int32_t>& row
   cuda::launch_gather_rows(x.data<uint8_t>(), rows_ptr, static_cast<int64_t>(rows.size()), row_bytes,
                            out.data<uint8_t>(), impl_->stream);
   return out;
+}
+
+std::vector<int32_t> CudaBackend::sample(const Tensor& logits, const std::vector<SampleSpec>& specs) {
+  check_f32(logits, "sample");
+  const int64_t rows = logits.dim(0), vocab = logits.dim(-1);
+  NB_CHECK(static_cast<int64_t>(specs.size()) == rows, "sample: " + std::to_string(specs.size()) +
+                                                           " specs for " + std::to_string(rows) + " rows");
+  std::vector<cuda::DevSampleSpec> h(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    h[r] = {specs[r].temperature, specs[r].top_p, specs[r].top_k, specs[r].min_p, specs[r].u};
+  const int64_t bytes = rows * static_cast<int64_t>(sizeof(cuda::DevSampleSpec));
+  Tensor d_specs = alloc(DType::kU8, {bytes});
+  Tensor d_ids = alloc(DType::kI32, {rows});
+  CUDA_CHECK(cudaMemcpyAsync(d_specs.data<uint8_t>(), h.data(), bytes, cudaMemcpyHostToDevice, impl_->stream));
+  cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
+                      d_ids.data<int32_t>(), impl_->stream);
+  std::vector<int32_t> ids(rows);
+  CUDA_CHECK(cudaMemcpyAsync(ids.data(), d_ids.data<int32_t>(), rows * 4, cudaMemcpyDeviceToHost, impl_->stream));
+  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  return ids;
 }
 
 // ---- WeightFactory -------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ struct CudaBackendOptions {
   int device = 0;
   DType kv_cache_dtype = DType::kBF16;  // kBF16, kF8_E4M3 or kF32
   bool poison = false;                  // tests: fill every new activation buffer with NaN bytes
+  // Prefill: FP4 linears with at least this many tokens, and FP4 MoE layers with at least this many
+  // tokens, run the tensor-core GEMMs (kernels/gemm_fp4.cuh, moe_gemm.cuh) instead of the GEMV kernels.
+  // 0: the measured defaults (cuda_backend.cu); 1 forces the GEMMs (tests).
+  int gemm_min_tokens = 0;
+  int moe_gemm_min_tokens = 0;
+  bool gemm_fp16_activations = false;  // the GEMMs round activations to one fp16 (11 bits) instead of hi + lo
   // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
   // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
   // split kernel wins at 1-2 new tokens, the tiled one from 4 (1.7x) and 8 (3x); see bench/NOTES.md.
@@ -56,17 +62,21 @@ class CudaBackend final : public Backend, public WeightFactory {
 
   Tensor embedding(const Weight& table, const BatchInfo& b) override;
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
+  Tensor add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) override;
   Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) override;
   void rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) override;
   Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
                    const AttentionParams& p) override;
+  Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
+                           const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                      const GluParams& glu) override;
   Tensor swiglu(const Tensor& gate, const Tensor& up) override;
   void add(Tensor& x, const Tensor& y) override;
   Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
+  std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
 
   // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
   // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine.

@@ -1,0 +1,155 @@
+// Dense FP4 GEMM (see gemm_fp4.cuh, the tile in gemm_fp4_tile.cuh) and the fp32 -> fp16 activation
+// conversion that every tensor-core GEMM here reads. Grid: x over 128-column weight tiles, y over BM-row
+// token tiles; the tile height is the one heuristic (pick_bm).
+#include "kernels/gemm_fp4.cuh"
+
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+#include "kernels/gemm_fp4_tile.cuh"
+
+namespace nb::cuda {
+namespace {
+
+using gemm::kBN;
+using gemm::kThreads;
+
+__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+
+// One warp per output row: max |x| over the row, then the row scaled by 2^s and split into fp16 hi (+ lo).
+constexpr int kPrepWarps = 8;
+__global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const float* __restrict__ x,
+                                                                      const int32_t* __restrict__ gather,
+                                                                      int gather_div, int rows, int k, bool split,
+                                                                      __half* __restrict__ hi, __half* __restrict__ lo,
+                                                                      float* __restrict__ unscale) {
+  const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k);
+  const int groups = k / 8;
+  float mx = 0.0f;
+  for (int q = lane; q < groups; q += 32) {
+    const float4 a = __ldg(src + 2 * q), b = __ldg(src + 2 * q + 1);
+    mx = fmaxf(mx, fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w)))));
+  }
+  mx = warp_max(mx);
+  int e = 0;
+  if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e); NaN/inf rows keep scale 1
+  const int sh = max(-120, min(120, 15 - e));
+  const float pre = ldexpf(1.0f, sh);
+  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  uint4* dh = reinterpret_cast<uint4*>(hi + static_cast<int64_t>(r) * k);
+  uint4* dl = reinterpret_cast<uint4*>(lo + static_cast<int64_t>(r) * k);
+  for (int q = lane; q < groups; q += 32) {
+    const float4 a = __ldg(src + 2 * q), b = __ldg(src + 2 * q + 1);
+    const float v[8] = {a.x * pre, a.y * pre, a.z * pre, a.w * pre, b.x * pre, b.y * pre, b.z * pre, b.w * pre};
+    uint32_t h[4], l[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // pair i holds elements i and i + 4: the order the weight decode yields
+      const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
+      h[i] = pack_half2(h0, h1);
+      l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
+    }
+    dh[q] = make_uint4(h[0], h[1], h[2], h[3]);
+    if (split) dl[q] = make_uint4(l[0], l[1], l[2], l[3]);
+  }
+}
+
+template <WKind K, int BM, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 2) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
+                                                              const __half* __restrict__ hi,
+                                                              const __half* __restrict__ lo,
+                                                              const float* __restrict__ unscale, int m,
+                                                              const float* __restrict__ bias, float* __restrict__ y) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  const int n0 = blockIdx.x * kBN, m0 = blockIdx.y * BM, k = w.k, n = w.n, tid = threadIdx.x;
+  const int a_rows = min(BM, m - m0);
+  if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
+  const int my_row = n0 + (tid >> 1);
+  const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[gemm::Tile<BM, kSplit>::kMT][4][4] = {};
+  const int64_t a_off = static_cast<int64_t>(m0) * k;
+  gemm::mainloop<K, BM, kSplit>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
+  gemm::epilogue<BM, kSplit>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {
+    const int c = n0 + col;
+    float* dst = y + static_cast<int64_t>(m0 + row) * n + c;
+    if (c < n) dst[0] = v0 + (bias ? bias[c] : 0.0f);
+    if (c + 1 < n) dst[1] = v1 + (bias ? bias[c + 1] : 0.0f);
+  });
+}
+
+// Token-tile height: 128 rows when that still gives two blocks per SM, else 64 (more, smaller blocks).
+int pick_bm(int64_t m, int n) {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t blocks = static_cast<int64_t>(ceil_div(n, kBN)) * ceil_div(m, 128);
+  return blocks >= 2 * sms ? 128 : 64;
+}
+
+template <WKind K, int BM, bool kSplit>
+void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  constexpr int smem = gemm::Tile<BM, kSplit>::kSmem;
+  auto kernel = gemm_fp4_kernel<K, BM, kSplit>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // The whole carveout as shared memory, so that two blocks fit per SM where the device has room.
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  const dim3 grid(ceil_div(w.n, kBN), ceil_div(m, BM));
+  kernel<<<grid, kThreads, smem, s>>>(w, a.hi, kSplit ? a.lo : a.hi, a.unscale, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <WKind K>
+void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
+               cudaStream_t s) {
+  const bool split = mode == GemmActs::kSplit;
+  if (pick_bm(m, w.n) == 128) {
+    return split ? gemm_for<K, 128, true>(w, a, m, bias, y, s) : gemm_for<K, 128, false>(w, a, m, bias, y, s);
+  }
+  return split ? gemm_for<K, 64, true>(w, a, m, bias, y, s) : gemm_for<K, 64, false>(w, a, m, bias, y, s);
+}
+
+}  // namespace
+
+bool gemm_fp4_supports(const DevWeight& w) {
+  return (w.kind == WKind::kMXFP4 || w.kind == WKind::kNVFP4) && w.vec_ok && w.k % 32 == 0 && w.n > 0;
+}
+
+int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode) {
+  const int64_t half = (rows * k * 2 + 255) / 256 * 256;
+  return (mode == GemmActs::kSplit ? 2 : 1) * half + rows * 4;
+}
+
+GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode) {
+  const int64_t half = (rows * k * 2 + 255) / 256 * 256;
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  GemmActivations a;
+  a.hi = reinterpret_cast<__half*>(p);
+  a.lo = mode == GemmActs::kSplit ? reinterpret_cast<__half*>(p + half) : a.hi;  // kFp16: never read
+  a.unscale = reinterpret_cast<float*>(p + (mode == GemmActs::kSplit ? 2 : 1) * half);
+  return a;
+}
+
+void launch_gemm_activations(const float* x, const int32_t* gather, int gather_div, int64_t rows, int k, GemmActs mode,
+                             const GemmActivations& out, cudaStream_t s) {
+  NB_CHECK(rows >= 1 && rows <= (int64_t{1} << 30) && k % 8 == 0 && gather_div >= 1,
+           "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
+  const bool split = mode == GemmActs::kSplit;
+  activations_kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(
+      x, gather, gather_div, static_cast<int>(rows), k, split, out.hi, split ? out.lo : out.hi, out.unscale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_gemm_fp4(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y,
+                     GemmActs mode, cudaStream_t s) {
+  NB_CHECK(gemm_fp4_supports(w), "gemm_fp4: needs an MXFP4/NVFP4 weight with aligned rows and k % 32 == 0");
+  NB_CHECK(m >= 1 && static_cast<int64_t>(ceil_div(m, 64)) <= 65535, "gemm_fp4: m = " + std::to_string(m));
+  if (w.kind == WKind::kMXFP4) return gemm_kind<WKind::kMXFP4>(w, a, m, bias, y, mode, s);
+  return gemm_kind<WKind::kNVFP4>(w, a, m, bias, y, mode, s);
+}
+
+}  // namespace nb::cuda

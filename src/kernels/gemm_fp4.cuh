@@ -1,0 +1,46 @@
+// Dense FP4 GEMM for many tokens (prefill): y[m, n] = x[m, k] @ w^T (+ bias) with w in MXFP4 or NVFP4,
+// on the tensor cores (mma.sync, fp16 x fp16 -> fp32) from the checkpoint's codes and scales as they are.
+// The fp32 activations are first converted to fp16 once per row (launch_gemm_activations); the weights
+// are decoded in shared memory per tile (gemm_fp4_tile.cuh). The MoE grouped GEMM (moe_gemm.cuh) shares
+// both. Decode sizes keep the GEMV kernels (gemv.cuh); the backend picks by token count.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace nb::cuda {
+
+// How the fp32 activations meet the fp16 tensor cores. Each row is first scaled by a power of two
+// (exact) so that its largest |x| lies in [2^14, 2^15), then rounded to fp16 (11 significant bits);
+// kSplit also keeps the rounding remainder as a second fp16 (~22 bits together) and runs a second MMA
+// on it: half the speed, about fp32 accuracy for the sums (the products fp16 x fp16 are exact in fp32).
+enum class GemmActs : uint8_t { kSplit, kFp16 };
+
+// What launch_gemm_fp4 takes: MXFP4/NVFP4 weights with 16-byte aligned rows and k % 32 == 0.
+bool gemm_fp4_supports(const DevWeight& w);
+
+// The fp16 form of activations: hi, lo [rows, k] (lo unused for kFp16) in the GEMM's k order (every 8
+// elements as 0,4,1,5,2,6,3,7), unscale [rows] = the power of two that undoes the row's scaling.
+struct GemmActivations {
+  __half* hi = nullptr;
+  __half* lo = nullptr;
+  float* unscale = nullptr;
+};
+
+// Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).
+int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode);
+GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode);
+
+// Row r of the output converts row gather[r] / gather_div of x [.., k] (or row r when gather is null).
+void launch_gemm_activations(const float* x, const int32_t* gather, int gather_div, int64_t rows, int k, GemmActs mode,
+                             const GemmActivations& out, cudaStream_t s);
+
+// y [m, w.n] = a @ w^T (+ bias [w.n]) for a [m, w.k] prepared by launch_gemm_activations.
+void launch_gemm_fp4(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y,
+                     GemmActs mode, cudaStream_t s);
+
+}  // namespace nb::cuda

@@ -1,0 +1,268 @@
+// The block tile shared by the dense FP4 GEMM (gemm_fp4.cu) and the MoE grouped GEMM (moe_gemm.cu):
+// C[BM tokens, 128 weight rows] += A[BM, k] (fp16, from launch_gemm_activations) x W^T, W in MXFP4 or NVFP4
+// as the checkpoint stores it (codes [n, k/2], scales [n, k/blk]; no repacking). Portable sm_80-era
+// instructions only (cp.async, ldmatrix, mma.sync m16n8k16), so GB10 runs the same code as the H200.
+//
+// Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") and the 128 rows' codes into a ring
+// of stages; the block then decodes the codes once into an fp16 tile in shared memory (so the 2 warps that
+// share a weight column do not decode it twice) and the 8 warps (2 along M x 4 along N, 32 columns each)
+// run the MMAs from ldmatrix fragments.
+// Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
+// (exact), times the block factor as an fp16, folded into the weight:
+//   MXFP4: 2^e (E8M0) is exact in fp16 for e in [-24, 15]; e2m1 * 2^e is exact for e in [-23, 13], i.e. any
+//   block whose largest |w| lies in [2^-24, 49152]. Trained weights sit far inside (|w| ~ 2^-12 .. 2^2);
+//   a block outside would round (below) or overflow (above). Folding costs one mul per element pair and no
+//   fp32 re-scaling of the accumulators per 32-element block (which would double their registers).
+//   NVFP4: e2m1 * ue4m3 is always exact in fp16 (at most 6 significant bits, |v| in [2^-10, 2688]); the
+//   part's global scale (multiply or divide convention) is applied per output column in the epilogue.
+// The k order inside every 8 elements is permuted (0,4,1,5,2,6,3,7) -- the order the bit trick yields
+// pairs in -- and the activations are stored in the same order, so the sum is the same.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include "kernels/common.cuh"
+
+namespace nb::cuda::gemm {
+
+constexpr int kBN = 128;  // weight rows (output columns) per block
+constexpr int kBK = 64;   // k per pipeline stage
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+
+template <int BM, bool kSplit>
+struct Tile {
+  static_assert(BM == 64 || BM == 128, "two warps along M, whole m16 tiles each");
+  // Two stages with the fp16 remainder keep the tile under GB10's 99 KiB of shared memory per block.
+  static constexpr int kStages = kSplit ? 2 : 3;
+  static constexpr int kMT = BM / 32;               // m16 tiles per warp
+  static constexpr int kABytes = BM * kBK * 2;      // one fp16 A tile
+  static constexpr int kCodeBytes = kBN * kBK / 2;  // the rows' E2M1 codes
+  static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1) + kCodeBytes;
+  static constexpr int kBBytes = kBN * kBK * 2;  // the decoded fp16 weight tile
+  static constexpr int kSmem = kStages * kStageBytes + kBBytes;
+  static_assert(kSmem <= 99 * 1024, "GB10 (sm_121) allows 99 KiB of shared memory per block");
+};
+
+// 16-byte chunk `chunk` (0..7) of 128-byte row `row`, XOR-swizzled so that ldmatrix (8 rows, one chunk) and
+// the cp.async / decode stores (consecutive chunks) hit distinct banks.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * 8 + (chunk ^ (row & 7)); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// fp16 bits of 2^(e - 127) for an E8M0 code: exact for exponents in [-24, 15], 0 below, inf above, NaN for 0xFF.
+__device__ __forceinline__ uint32_t e8m0_half_bits(uint32_t e) {
+  const int x = static_cast<int>(e) - 127;
+  if (e == 0xffu) return 0x7e00u;
+  if (x > 15) return 0x7c00u;
+  if (x >= -14) return static_cast<uint32_t>(x + 15) << 10;
+  if (x >= -24) return 1u << (x + 24);
+  return 0u;
+}
+// fp16 bits of a UE4M3 code's value (exact: at most 448, at least 2^-9): the 7 bits at fp16 bits 7..13 are
+// the value * 2^-8, times 256.
+__device__ __forceinline__ uint32_t ue4m3_half_bits(uint32_t c) {
+  const uint32_t h = (c & 0x7fu) << 7;
+  return hmul2(h | (h << 16), 0x5c005c00u) & 0xffffu;  // 0x5c00 = 256
+}
+
+// This thread's weight row for the decode: tile row tid / 2, k half tid % 2 of each 64-wide k-tile.
+struct BRow {
+  const uint8_t* codes = nullptr;   // [k/2] E2M1 codes of the row, or null past the weight
+  const uint8_t* scales = nullptr;  // [k/32] E8M0 or [k/16] UE4M3
+};
+
+// Per output column of the tile: the weight row it reads (-1: none) and the NVFP4 global scale.
+struct ColInfo {
+  int row[kBN];
+  float global[kBN];
+  bool divide[kBN];
+};
+
+__device__ __forceinline__ void set_col(ColInfo& ci, int c, const DevWeight& w, int row) {
+  ci.row[c] = row;
+  ci.global[c] = 1.0f;
+  ci.divide[c] = false;
+  if (row >= 0 && w.kind == WKind::kNVFP4) {
+    int r = row;
+    const DevPart& p = find_part(w, r);
+    ci.global[c] = p.global;
+    ci.divide[c] = p.divide;
+  }
+}
+
+__device__ __forceinline__ BRow brow_of(const DevWeight& w, int row, int k, int scale_block) {
+  BRow b;
+  if (row < 0) return b;
+  const DevPart& p = find_part(w, row);
+  b.codes = p.data + static_cast<int64_t>(row) * (k / 2);
+  b.scales = p.scales + static_cast<int64_t>(row) * (k / scale_block);
+  return b;
+}
+
+// acc[mt][nt][4] (mma C layout) += A[rows a_rows, k] x W^T over the whole k for this block's 128 columns.
+// a_hi / a_lo: the tile's first A row, row stride k (fp16, permuted k order); rows >= a_rows read as zero.
+template <WKind K, int BM, bool kSplit>
+__device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
+                                         int a_rows, int k, const BRow& br, float (&acc)[Tile<BM, kSplit>::kMT][4][4]) {
+  using T = Tile<BM, kSplit>;
+  constexpr int S = T::kStages;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int warp_m = warp >> 2, warp_n = warp & 3;
+  uint4* bs = reinterpret_cast<uint4*>(smem + S * T::kStageBytes);  // decoded weights [128][64] fp16
+  auto stage_a = [&](int s, int lo) { return reinterpret_cast<uint4*>(smem + s * T::kStageBytes + lo * T::kABytes); };
+  auto stage_codes = [&](int s) {
+    return reinterpret_cast<uint4*>(smem + s * T::kStageBytes + (kSplit ? 2 : 1) * T::kABytes);
+  };
+  const int n_kt = (k + kBK - 1) / kBK;
+  const int my_row = tid >> 1, my_half = tid & 1;
+
+  auto load = [&](int kt, int s) {
+    const int k0 = kt * kBK;
+    for (int c = tid; c < BM * 8; c += kThreads) {
+      const int r = c >> 3, ch = c & 7, kk = k0 + ch * 8;
+      const bool ok = r < a_rows && kk < k;
+      const int64_t off = ok ? static_cast<int64_t>(r) * k + kk : 0;
+      cp_async16(stage_a(s, 0) + swz(r, ch), a_hi + off, ok);
+      if constexpr (kSplit) cp_async16(stage_a(s, 1) + swz(r, ch), a_lo + off, ok);
+    }
+    const int kk = k0 + 32 * my_half;
+    const bool ok = br.codes && kk < k;
+    cp_async16(stage_codes(s) + tid, ok ? br.codes + kk / 2 : reinterpret_cast<const uint8_t*>(a_hi), ok);
+  };
+  // The block factors of k-tile kt for this thread's 32 codes, as fp16x2 (NVFP4: words 0-1 and 2-3).
+  auto factors = [&](int kt, uint32_t (&f)[2]) {
+    const int kk = kt * kBK + 32 * my_half;
+    f[0] = f[1] = 0;
+    if (!br.codes || kk >= k) return;
+    if constexpr (K == WKind::kMXFP4) {
+      const uint32_t h = e8m0_half_bits(__ldg(br.scales + kk / 32));
+      f[0] = f[1] = h | (h << 16);
+    } else {
+      const uint32_t h0 = ue4m3_half_bits(__ldg(br.scales + kk / 16));
+      const uint32_t h1 = ue4m3_half_bits(__ldg(br.scales + kk / 16 + 1));
+      f[0] = h0 | (h0 << 16);
+      f[1] = h1 | (h1 << 16);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_kt) load(s, s);
+    cp_async_commit();
+  }
+  uint32_t f[2];
+  factors(0, f);
+  for (int kt = 0; kt < n_kt; ++kt) {
+    cp_async_wait<S - 2>();
+    __syncthreads();  // stage kt landed for every thread; every warp is done with the previous tile
+    if (kt + S - 1 < n_kt) load(kt + S - 1, (kt + S - 1) % S);
+    cp_async_commit();
+    // Decode this thread's 32 codes (one 16-byte chunk) into 4 fp16 chunks of the weight tile.
+    {
+      const uint4 c = stage_codes(kt % S)[tid];
+      const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint32_t h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t s = words[q] >> (4 * i);
+          const uint32_t e = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);  // e2m1 * 2^-14
+          h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);                          // * 2^14 * factor
+        }
+        bs[swz(my_row, 4 * my_half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
+      }
+    }
+    if (kt + 1 < n_kt) factors(kt + 1, f);
+    __syncthreads();  // the weight tile is complete
+    const uint4* sa = stage_a(kt % S, 0);
+    const uint4* sl = stage_a(kt % S, 1);
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      uint32_t b[4][2];
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int j = lane >> 3, r = warp_n * 32 + p * 16 + (j >> 1) * 8 + (lane & 7);
+        uint32_t v[4];
+        ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
+        b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < T::kMT; ++mt) {
+        const int row0 = warp_m * (BM / 2) + mt * 16;
+        if (row0 >= a_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
+        const int j = lane >> 3, r = row0 + (j & 1) * 8 + (lane & 7);
+        uint32_t a[4];
+        ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+        if constexpr (kSplit) {
+          ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// Calls out(row, col, v0, v1) for every pair of adjacent tile columns (col even) of this thread's
+// accumulators in rows < a_rows, with v = acc * unscale[row] * the column's global scale. `out` checks
+// the columns (ci.row[col] < 0: past the weight).
+template <int BM, bool kSplit, class Out>
+__device__ __forceinline__ void epilogue(const float (&acc)[Tile<BM, kSplit>::kMT][4][4], const ColInfo& ci,
+                                         const float* __restrict__ unscale, int a_rows, Out&& out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp_m = warp >> 2, warp_n = warp & 3;
+#pragma unroll
+  for (int mt = 0; mt < Tile<BM, kSplit>::kMT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_m * (BM / 2) + mt * 16 + g + 8 * half;
+      if (row >= a_rows) continue;
+      const float u = unscale[row];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = warp_n * 32 + nt * 8 + 2 * t;
+        float v[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float a = acc[mt][nt][2 * half + i] * u;
+          v[i] = ci.divide[col + i] ? a / ci.global[col + i] : a * ci.global[col + i];
+        }
+        out(row, col, v[0], v[1]);
+      }
+    }
+  }
+}
+
+}  // namespace nb::cuda::gemm

@@ -1,0 +1,243 @@
+// MoE grouped GEMM (see moe_gemm.cuh). Grouping: one block counts the pairs per expert in shared memory,
+// lays the experts' rows out back to back (offsets) and lists their 64-row token tiles; each pair then
+// takes a slot of its expert. Slots within an expert are claimed with shared-memory atomics, so their
+// order varies from run to run, but every output row is computed from its own A row alone (MMA rows are
+// independent and k is summed in a fixed order), and the combine reads rows by pair: the result is
+// bitwise deterministic. Token tiles are 64 rows: with 32-128 experts a prefill chunk gives each expert
+// tens to hundreds of rows, and empty m16 tiles cost no MMAs (gemm_fp4_tile.cuh).
+#include "kernels/moe_gemm.cuh"
+
+#include "backend/cuda/cuda_check.h"
+#include "kernels/gemm_fp4_tile.cuh"
+
+namespace nb::cuda {
+namespace {
+
+using gemm::kBN;
+using gemm::kThreads;
+constexpr int kBM = 64;
+constexpr int kMaxExperts = 4096;
+
+__global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n_experts, int32_t* __restrict__ offsets,
+                             int32_t* __restrict__ slot_of, int32_t* __restrict__ pair_of, int2* __restrict__ tiles,
+                             int32_t* __restrict__ n_tiles) {
+  extern __shared__ int32_t counts[];  // [n_experts] counts, then [n_experts] cursors
+  int32_t* cursor = counts + n_experts;
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+    const int e = ids[p];
+    if (e < 0 || e >= n_experts) __trap();  // the router only writes ids < n_experts
+    atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int off = 0, nt = 0;
+    for (int e = 0; e < n_experts; ++e) {
+      offsets[e] = cursor[e] = off;
+      for (int m0 = 0; m0 < counts[e]; m0 += kBM) tiles[nt++] = make_int2(e, m0);
+      off += counts[e];
+    }
+    offsets[n_experts] = off;
+    *n_tiles = nt;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+    const int slot = atomicAdd(&cursor[ids[p]], 1);
+    slot_of[p] = slot;
+    pair_of[slot] = p;
+  }
+}
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Which tile this block runs: (expert, its first slot, rows), or false past the listed tiles.
+__device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tiles, const int32_t* offsets, int& e,
+                                        int& base, int& rows) {
+  if (static_cast<int>(blockIdx.y) >= *n_tiles) return false;
+  const int2 t = tiles[blockIdx.y];
+  e = t.x;
+  base = offsets[e] + t.y;
+  rows = min(kBM, offsets[e + 1] - base);
+  return true;
+}
+
+// FC1 + bias + GLU: block x covers outputs j in [64 x, 64 x + 64); its 128 weight rows are gate/up pairs
+// (tile column 2i = gate of j0 + i, 2i + 1 = up), whichever layout the checkpoint uses.
+template <WKind K, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 2) fc1_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+                                                         const int32_t* __restrict__ n_tiles,
+                                                         const int32_t* __restrict__ offsets, GemmActivations a,
+                                                         Glu glu, float limit, float* __restrict__ act) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  int e, base, rows;
+  if (!tile_of(tiles, n_tiles, offsets, e, base, rows)) return;
+  const DevWeight& w = tab.fc1[e];
+  const int d = tab.d_expert, j0 = blockIdx.x * (kBN / 2), tid = threadIdx.x;
+  const bool interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+  auto row_of = [&](int c) {
+    const int j = j0 + c / 2;
+    return j >= d ? -1 : interleaved ? 2 * j + (c & 1) : (c & 1) ? d + j : j;
+  };
+  if (tid < kBN) gemm::set_col(ci, tid, w, row_of(tid));
+  const gemm::BRow br = gemm::brow_of(w, row_of(tid >> 1), w.k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[gemm::Tile<kBM, kSplit>::kMT][4][4] = {};
+  const int64_t a_off = static_cast<int64_t>(base) * w.k;
+  gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
+  const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
+  gemm::epilogue<kBM, kSplit>(acc, ci, a.unscale + base, rows, [&](int row, int col, float g, float u) {
+    const int j = j0 + col / 2;
+    if (j >= d) return;
+    if (bias) g += bias[ci.row[col]], u += bias[ci.row[col + 1]];
+    float v;
+    if (gpt_oss) {  // the same expressions as gemv.cu and the CPU reference (formats.md §2.4)
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+      v = g * sigmoidf(1.702f * g) * (u + 1.0f);
+    } else {
+      v = g * sigmoidf(g) * u;
+    }
+    act[static_cast<int64_t>(base + row) * d + j] = v;
+  });
+}
+
+// FC2 + bias, times the pair's routing weight, into the pair's slot row.
+template <WKind K, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 2) fc2_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+                                                         const int32_t* __restrict__ n_tiles,
+                                                         const int32_t* __restrict__ offsets,
+                                                         const int32_t* __restrict__ pair_of,
+                                                         const float* __restrict__ weights, GemmActivations a,
+                                                         float* __restrict__ y_slot) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  int e, base, rows;
+  if (!tile_of(tiles, n_tiles, offsets, e, base, rows)) return;
+  const DevWeight& w = tab.fc2[e];
+  const int n = tab.d_model, n0 = blockIdx.x * kBN, tid = threadIdx.x;
+  if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
+  const int my_row = n0 + (tid >> 1);
+  const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[gemm::Tile<kBM, kSplit>::kMT][4][4] = {};
+  const int64_t a_off = static_cast<int64_t>(base) * w.k;
+  gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
+  gemm::epilogue<kBM, kSplit>(acc, ci, a.unscale + base, rows, [&](int row, int col, float v0, float v1) {
+    const int c = n0 + col;
+    const float wt = weights[pair_of[base + row]];
+    float* dst = y_slot + static_cast<int64_t>(base + row) * n + c;
+    // The weight multiplies after the bias (formats.md §2.4), as the CPU reference does.
+    if (c < n) dst[0] = wt * (v0 + (bias ? bias[c] : 0.0f));
+    if (c + 1 < n) dst[1] = wt * (v1 + (bias ? bias[c + 1] : 0.0f));
+  });
+}
+
+// y[t, c] = sum over i in choice order of y_slot[slot_of[t * top_k + i], c]; float4 per thread.
+__global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* __restrict__ slot_of, int n_tokens,
+                               int top_k, int n, float* __restrict__ y) {
+  const int q = n / 4;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(n_tokens) * q) return;
+  const int t = static_cast<int>(i / q), c = static_cast<int>(i % q);
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int k = 0; k < top_k; ++k) {
+    const float4 v = reinterpret_cast<const float4*>(y_slot + static_cast<int64_t>(slot_of[t * top_k + k]) * n)[c];
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
+}
+
+template <WKind K, bool kSplit>
+void projections(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
+                 const MoeGemmScratch& ws, cudaStream_t s) {
+  constexpr int smem = gemm::Tile<kBM, kSplit>::kSmem;
+  const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
+  auto fc1 = fc1_kernel<K, kSplit>;
+  CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  fc1<<<dim3(ceil_div(t.d_expert, kBN / 2), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+                                                                                ws.x, glu, limit, ws.act);
+  CUDA_CHECK(cudaGetLastError());
+  const GemmActs mode = kSplit ? GemmActs::kSplit : GemmActs::kFp16;
+  launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
+  auto fc2 = fc2_kernel<K, kSplit>;
+  CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  fc2<<<dim3(ceil_div(t.d_model, kBN), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+                                                                           ws.pair_of, weights, ws.a, ws.y_slot);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+bool moe_gemm_supports(const ExpertTable& t) {
+  return (t.kind == WKind::kMXFP4 || t.kind == WKind::kNVFP4) && t.d_model % 32 == 0 && t.d_expert % 32 == 0 &&
+         t.n_experts >= 1 && t.n_experts <= kMaxExperts;
+}
+
+int64_t moe_gemm_max_tiles(int64_t n_pairs, int n_experts) { return (n_pairs + kBM - 1) / kBM + n_experts; }
+
+// One layout for both functions: `take` hands out consecutive 256-byte aligned pieces.
+template <class Take>
+MoeGemmScratch moe_scratch_layout(const ExpertTable& t, int64_t n_pairs, GemmActs mode, Take&& take) {
+  MoeGemmScratch ws;
+  ws.tiles = static_cast<int2*>(take(moe_gemm_max_tiles(n_pairs, t.n_experts) * 8));
+  ws.offsets = static_cast<int32_t*>(take((t.n_experts + 1) * 4));
+  ws.n_tiles = static_cast<int32_t*>(take(4));
+  ws.slot_of = static_cast<int32_t*>(take(n_pairs * 4));
+  ws.pair_of = static_cast<int32_t*>(take(n_pairs * 4));
+  ws.x = gemm_activations_in(take(gemm_activations_bytes(n_pairs, t.d_model, mode)), n_pairs, t.d_model, mode);
+  ws.act = static_cast<float*>(take(n_pairs * t.d_expert * 4));
+  ws.a = gemm_activations_in(take(gemm_activations_bytes(n_pairs, t.d_expert, mode)), n_pairs, t.d_expert, mode);
+  ws.y_slot = static_cast<float*>(take(n_pairs * t.d_model * 4));
+  return ws;
+}
+
+int64_t moe_gemm_scratch_bytes(const ExpertTable& t, int64_t n_pairs, GemmActs mode) {
+  int64_t total = 0;
+  moe_scratch_layout(t, n_pairs, mode, [&](int64_t bytes) -> void* {
+    total += (bytes + 255) / 256 * 256;
+    return nullptr;
+  });
+  return total;
+}
+
+MoeGemmScratch moe_gemm_scratch_in(void* buf, const ExpertTable& t, int64_t n_pairs, GemmActs mode) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  return moe_scratch_layout(t, n_pairs, mode, [&](int64_t bytes) -> void* {
+    void* q = p;
+    p += (bytes + 255) / 256 * 256;
+    return q;
+  });
+}
+
+void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
+                     const float* x, Glu glu, float limit, GemmActs mode, const MoeGemmScratch& ws, float* y,
+                     cudaStream_t s) {
+  NB_CHECK(moe_gemm_supports(t), "moe_gemm: needs MXFP4/NVFP4 experts with d_model, d_expert % 32 == 0");
+  const int64_t n_pairs = n_tokens * top_k;
+  NB_CHECK(n_tokens >= 1 && top_k >= 1 && moe_gemm_max_tiles(n_pairs, t.n_experts) <= 65535,
+           "moe_gemm: " + std::to_string(n_tokens) + " tokens x top_k " + std::to_string(top_k));
+  group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts,
+                                                                  ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
+                                                                  ws.n_tiles);
+  CUDA_CHECK(cudaGetLastError());
+  // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k.
+  launch_gemm_activations(x, ws.pair_of, top_k, n_pairs, t.d_model, mode, ws.x, s);
+  const bool split = mode == GemmActs::kSplit;
+  if (t.kind == WKind::kMXFP4) {
+    split ? projections<WKind::kMXFP4, true>(t, weights, n_pairs, glu, limit, ws, s)
+          : projections<WKind::kMXFP4, false>(t, weights, n_pairs, glu, limit, ws, s);
+  } else {
+    split ? projections<WKind::kNVFP4, true>(t, weights, n_pairs, glu, limit, ws, s)
+          : projections<WKind::kNVFP4, false>(t, weights, n_pairs, glu, limit, ws, s);
+  }
+  const int64_t quads = n_tokens * (t.d_model / 4);
+  combine_kernel<<<ceil_div(quads, 256), 256, 0, s>>>(ws.y_slot, ws.slot_of, static_cast<int>(n_tokens), top_k,
+                                                      t.d_model, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace nb::cuda

@@ -1,0 +1,25 @@
+// Token sampling on the device: one id per logits row under a SampleSpec (backend.h), so a decode step
+// copies ids to the host, not [rows, vocab] logits. Same rules as runtime/sampler.cc's sample_row; the
+// uniform draw u comes from the host. Greedy is one argmax pass; otherwise the top-k, top-p and min-p
+// prefixes of the sorted order are found by radix selection (no sort), and u picks a token by inverse
+// CDF over the kept tokens in id order (the same distribution as the host's walk in sorted order).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace nb::cuda {
+
+struct DevSampleSpec {
+  float temperature = 0.0f, top_p = 1.0f;
+  int32_t top_k = 0;
+  float min_p = 0.0f;
+  double u = 0.0;
+};
+
+// logits [rows, vocab] fp32; specs [rows] (device); ids [rows] (device).
+void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
+                   cudaStream_t s);
+
+}  // namespace nb::cuda

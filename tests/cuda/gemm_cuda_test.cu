@@ -1,0 +1,261 @@
+// The prefill tensor-core GEMMs (kernels/gemm_fp4.cu, moe_gemm.cu) against the CPU reference backend,
+// through CudaBackend with the GEMM thresholds forced to 1 token, in both activation modes, on fresh
+// random inputs (seed printed) with every GPU buffer poisoned. Weights are decoded exactly on both sides
+// (gemm_fp4_tile.cuh), so the error is the activations' fp16 rounding, relative eps = 2^-11 per element
+// (one fp16) or 2^-22 (hi + lo), plus fp32 summation: |gpu - cpu| <= (eps + k 2^-23) sum_j |w_ij x_j|.
+// Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+
+namespace nb {
+namespace {
+
+std::mt19937& rng() {
+  static std::mt19937 g = [] {
+    const unsigned seed = std::random_device{}();
+    std::printf("gemm_cuda_test seed %u\n", seed);
+    return std::mt19937(seed);
+  }();
+  return g;
+}
+
+std::vector<float> randn(int64_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng());
+  return v;
+}
+
+struct HostBytes {
+  std::vector<std::vector<uint8_t>> blocks;
+  TensorView add(std::vector<uint8_t> bytes, DType dt, std::vector<int64_t> shape) {
+    blocks.push_back(std::move(bytes));
+    return TensorView{blocks.back().data(), dt, std::move(shape)};
+  }
+};
+
+// A random FP4 weight [n, k] in `parts` row parts. NVFP4 parts get their own global scale and alternate
+// conventions (multiply, divide). extreme: MXFP4 block exponents spread over the range the GEMM folds
+// exactly into fp16 (2^-23 .. 2^13, gemm_fp4_tile.cuh).
+Weight make_fp4(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int parts, bool extreme = false) {
+  Weight w;
+  w.format = format;
+  w.n = n;
+  w.k = k;
+  for (int pi = 0; pi < parts; ++pi) {
+    WeightPart p;
+    p.rows = n / parts + (pi == parts - 1 ? n % parts : 0);
+    const int64_t rows = p.rows;
+    const std::vector<float> x = randn(rows * k, 0.05f);
+    if (format == WeightFormat::kMXFP4) {
+      std::vector<uint8_t> codes(rows * k / 2), scales(rows * k / 32);
+      for (int64_t b = 0; b < rows * k / 32; ++b) {
+        scales[b] = fmt::mxfp4_encode_block(&x[b * 32], &codes[b * 16]);
+        if (extreme) scales[b] = static_cast<uint8_t>(127 - 23 + (b * 7) % 37);  // 2^-23 .. 2^13
+      }
+      p.data = hb.add(std::move(codes), DType::kU8, {rows, k / 2});
+      p.scales = hb.add(std::move(scales), DType::kU8, {rows, k / 32});
+    } else {
+      std::vector<uint8_t> codes(rows * k / 2), scales(rows * k / 16);
+      const float s2 = fmt::nvfp4_global_scale(0.25f * (pi + 1));
+      for (int64_t b = 0; b < rows * k / 16; ++b) scales[b] = fmt::nvfp4_encode_block(&x[b * 16], s2, &codes[b * 8]);
+      p.data = hb.add(std::move(codes), DType::kU8, {rows, k / 2});
+      p.scales = hb.add(std::move(scales), DType::kF8_E4M3, {rows, k / 16});
+      p.convention = pi % 2 ? fmt::GlobalScale::kDivide : fmt::GlobalScale::kMultiply;
+      p.global_scale = pi % 2 ? 1.0f / s2 : s2;
+    }
+    p.name = "w" + std::to_string(pi);
+    w.parts.push_back(std::move(p));
+  }
+  return w;
+}
+
+class PrefillGemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int mode = 0; mode < 2; ++mode) {
+      CudaBackendOptions o;
+      o.poison = true;
+      o.kv_cache_dtype = DType::kF32;
+      o.gemm_min_tokens = 1;
+      o.moe_gemm_min_tokens = 1;
+      o.gemm_fp16_activations = mode == 1;
+      auto g = CudaBackend::create(o);
+      if (!g.ok()) GTEST_SKIP() << g.status().message();
+      gpu_[mode] = std::move(g.value());
+    }
+  }
+  // Relative activation rounding of mode 0 (hi + lo) and mode 1 (one fp16).
+  static double eps(int mode) { return mode == 0 ? std::ldexp(1.0, -22) : std::ldexp(1.0, -11); }
+  Tensor cpu_t(const std::vector<float>& v, std::vector<int64_t> shape) {
+    Tensor t = cpu_.alloc(DType::kF32, std::move(shape));
+    std::copy(v.begin(), v.end(), t.data<float>());
+    return t;
+  }
+  void upload(const Weight& w) {
+    std::vector<TensorView> views;
+    for (const WeightPart& p : w.parts) views.push_back(p.data), views.push_back(p.scales);
+    for (auto& g : gpu_) {
+      const auto st = g->upload_views(views);
+      NB_CHECK(st.ok(), "upload_views: " + st.status().message());
+    }
+  }
+  static void expect_close(const std::vector<float>& want, const std::vector<float>& got, const std::vector<float>& tol,
+                           int64_t row_len, const std::string& what) {
+    ASSERT_EQ(want.size(), got.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float t = tol.size() == 1 ? tol[0] : tol[i];
+      if (!(std::abs(want[i] - got[i]) <= t)) {
+        ADD_FAILURE() << what << ": first mismatch at [" << i / row_len << ", " << i % row_len << "]: cpu " << want[i]
+                      << " gpu " << got[i] << " tol " << t;
+        return;
+      }
+    }
+  }
+
+  CpuBackend cpu_{4};
+  std::unique_ptr<CudaBackend> gpu_[2];
+  HostBytes hb_;
+};
+
+TEST_F(PrefillGemm, DenseMatchesCpu) {
+  struct Case {
+    WeightFormat f;
+    int64_t n, k;
+    int parts;
+    bool extreme;
+    std::vector<int64_t> ms;
+  };
+  const Case cases[] = {
+      {WeightFormat::kMXFP4, 200, 2880, 1, false, {1, 70, 129}},       // k not a multiple of 64 (tail half tile)
+      {WeightFormat::kMXFP4, 130, 96, 2, true, {5, 64, 200}},          // exponents at both ends of the exact range
+      {WeightFormat::kNVFP4, 77, 160, 3, false, {3, 127, 130}},        // 3 parts: multiply, divide, multiply
+      {WeightFormat::kNVFP4, 256, 512, 2, false, {64, 65}},
+      {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
+  };
+  for (const Case& c : cases) {
+    const Weight w = make_fp4(hb_, c.f, c.n, c.k, c.parts, c.extreme);
+    upload(w);
+    const std::vector<float> bias = randn(c.n);
+    std::vector<float> row(c.k);
+    for (int64_t m : c.ms) {
+      const std::vector<float> x = randn(m * c.k);
+      // sum_j |w_ij x_tj| per output, from the exactly decoded weight.
+      std::vector<double> mag(m * c.n);
+      for (int64_t j = 0; j < c.n; ++j) {
+        dequantize_row(w, j, row.data());
+        for (int64_t t = 0; t < m; ++t) {
+          double s = 0;
+          for (int64_t i = 0; i < c.k; ++i) s += std::abs(static_cast<double>(row[i]) * x[t * c.k + i]);
+          mag[t * c.n + j] = s;
+        }
+      }
+      const bool with_bias = m % 2 == 1;
+      Tensor cb = cpu_t(bias, {c.n});
+      const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {m, c.k}), w, with_bias ? &cb : nullptr));
+      for (int mode = 0; mode < 2; ++mode) {
+        CudaBackend& g = *gpu_[mode];
+        Tensor gb = g.upload(TensorView{bias.data(), DType::kF32, {c.n}});
+        const std::vector<float> got =
+            g.to_host(g.linear(g.upload(TensorView{x.data(), DType::kF32, {m, c.k}}), w, with_bias ? &gb : nullptr));
+        std::vector<float> tol(m * c.n);
+        for (size_t i = 0; i < tol.size(); ++i) {
+          tol[i] = static_cast<float>((eps(mode) + c.k * 1.2e-7) * mag[i] + 1e-6 + 1e-6 * std::abs(want[i]));
+        }
+        expect_close(want, got, tol, c.n,
+                     std::string(weight_format_name(c.f)) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) +
+                         " parts " + std::to_string(c.parts) + " m " + std::to_string(m) + " mode " +
+                         (mode ? "fp16" : "hi+lo"));
+      }
+    }
+  }
+}
+
+// Routes from host ids: ids [T, top_k] (distinct per token), weights random positive.
+Routes routes_on(Backend& be, const std::vector<int32_t>& ids, const std::vector<float>& wts, int64_t T, int top_k) {
+  Routes r{be.alloc(DType::kI32, {T, top_k}), be.alloc(DType::kF32, {T, top_k})};
+  if (dynamic_cast<CudaBackend*>(&be)) {
+    cudaMemcpy(r.ids.data<int32_t>(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(r.weights.data<float>(), wts.data(), wts.size() * 4, cudaMemcpyHostToDevice);
+  } else {
+    std::copy(ids.begin(), ids.end(), r.ids.data<int32_t>());
+    std::copy(wts.begin(), wts.end(), r.weights.data<float>());
+  }
+  return r;
+}
+
+TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
+  struct Case {
+    const char* name;
+    WeightFormat f;
+    int E, top_k, T, d_model, d_ff;
+    GluLayout layout;
+    bool gpt_oss, bias;
+    int used;  // tokens pick among experts [0, used) only; -1: all tokens pick expert 2 first
+  };
+  const Case cases[] = {
+      {"mxfp4 interleaved gpt-oss, experts 5.. idle", WeightFormat::kMXFP4, 8, 2, 37, 64, 96, GluLayout::kInterleaved,
+       true, true, 5},
+      {"nvfp4 halves silu, all tokens on expert 2", WeightFormat::kNVFP4, 4, 1, 70, 64, 64, GluLayout::kHalves, false,
+       false, -1},
+      {"mxfp4 halves gpt-oss, d_ff 160, 32 experts", WeightFormat::kMXFP4, 32, 4, 150, 128, 160, GluLayout::kHalves,
+       true, true, 32},
+      {"nvfp4 interleaved, 200 tokens on 3 experts", WeightFormat::kNVFP4, 16, 3, 200, 96, 128,
+       GluLayout::kInterleaved, true, false, 3},
+  };
+  for (const Case& c : cases) {
+    MoeExperts ex;
+    ex.n_experts = c.E;
+    ex.d_expert = c.d_ff;
+    ex.layout = c.layout;
+    for (int e = 0; e < c.E; ++e) {
+      ex.fc1.push_back(make_fp4(hb_, c.f, 2 * c.d_ff, c.d_model, c.f == WeightFormat::kNVFP4 ? 2 : 1));
+      ex.fc2.push_back(make_fp4(hb_, c.f, c.d_model, c.d_ff, 1));
+      upload(ex.fc1.back());
+      upload(ex.fc2.back());
+    }
+    std::vector<int32_t> ids(c.T * c.top_k);
+    std::vector<float> wts(c.T * c.top_k);
+    std::uniform_real_distribution<float> u01(0.1f, 1.0f);
+    for (int t = 0; t < c.T; ++t) {
+      std::vector<int32_t> pool(c.used > 0 ? c.used : c.E);
+      for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<int32_t>(i);
+      std::shuffle(pool.begin(), pool.end(), rng());
+      if (c.used < 0) std::iter_swap(pool.begin(), std::find(pool.begin(), pool.end(), 2));
+      for (int i = 0; i < c.top_k; ++i) ids[t * c.top_k + i] = pool[i], wts[t * c.top_k + i] = u01(rng());
+    }
+    const std::vector<float> b1 = randn(c.E * 2 * c.d_ff), b2 = randn(c.E * c.d_model);
+    if (c.bias) ex.fc1_bias = cpu_t(b1, {c.E, 2 * c.d_ff}), ex.fc2_bias = cpu_t(b2, {c.E, c.d_model});
+    const GluParams glu = c.gpt_oss ? GluParams{Activation::kGptOssClamped, 7.0f} : GluParams{};
+    const std::vector<float> x = randn(c.T * c.d_model, 2.0f);
+    const std::vector<float> want = cpu_.to_host(
+        cpu_.moe_experts(cpu_t(x, {c.T, c.d_model}), routes_on(cpu_, ids, wts, c.T, c.top_k), ex, glu));
+    float scale = 0;
+    for (float v : want) scale = std::max(scale, std::abs(v));
+    for (int mode = 0; mode < 2; ++mode) {
+      CudaBackend& g = *gpu_[mode];
+      MoeExperts gex = ex;
+      if (c.bias) {
+        gex.fc1_bias = g.upload(TensorView{b1.data(), DType::kF32, {c.E, 2 * c.d_ff}});
+        gex.fc2_bias = g.upload(TensorView{b2.data(), DType::kF32, {c.E, c.d_model}});
+      }
+      const std::vector<float> got = g.to_host(g.moe_experts(g.upload(TensorView{x.data(), DType::kF32, {c.T, c.d_model}}),
+                                                             routes_on(g, ids, wts, c.T, c.top_k), gex, glu));
+      // Two fp16 roundings (x, then the GLU output), each <= eps relative per element, enter sums of
+      // random-sign terms; 64 eps of the output's scale bounds them (GLU slopes stay below ~4 here),
+      // plus fp32 order (k 2^-23 relative, k <= 320).
+      const float tol = static_cast<float>(scale * (64 * eps(mode) + 4e-5) + 1e-6);
+      expect_close(want, got, {tol}, c.d_model, std::string(c.name) + (mode ? " fp16" : " hi+lo"));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nb
