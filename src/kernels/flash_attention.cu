@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
                                                                    const typename KvElem<K>::T* __restrict__ kc,
                                                                    const typename KvElem<K>::T* __restrict__ vc,
                                                                    DevBatch b, const int32_t* __restrict__ seq_begin,
-                                                                   int n_seqs, AttnShape a, float* __restrict__ out) {
+                                                                   int n_seqs, int min_new, AttnShape a, float* __restrict__ out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   using G = Tile<K, D>;
   using T = typename G::T;
@@ -279,7 +279,8 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
   int64_t tile = gridDim.x - 1 - static_cast<int64_t>(blockIdx.x);
   int seq = 0;
   for (; seq < n_seqs; ++seq) {
-    const int64_t n = (seq_begin[seq + 1] - seq_begin[seq] + per_tile - 1) / per_tile;
+    const int n_new = seq_begin[seq + 1] - seq_begin[seq];
+    const int64_t n = n_new >= min_new ? (n_new + per_tile - 1) / per_tile : 0;
     if (tile < n) break;
     tile -= n;
   }
@@ -393,25 +394,25 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
 
 template <KvKind K, int D>
 void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
-                int n_seqs, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+                int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
   using E = typename KvElem<K>::T;
   launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads), Tile<K, D>::kThreads, 0, s, q,
-             static_cast<const E*>(kc), static_cast<const E*>(vc), b, seq_begin, n_seqs, a, out);
+             static_cast<const E*>(kc), static_cast<const E*>(vc), b, seq_begin, n_seqs, min_new, a, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
 template <KvKind K>
 void launch_kind(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
-                 int n_seqs, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
   switch (a.head_dim) {
     case 16:
-      return launch_for<K, 16>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_for<K, 16>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
     case 32:
-      return launch_for<K, 32>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_for<K, 32>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
     case 64:
-      return launch_for<K, 64>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_for<K, 64>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
     case 128:
-      return launch_for<K, 128>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_for<K, 128>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
   }
 }
 
@@ -422,27 +423,28 @@ bool flash_attention_supported(const AttnShape& a) {
   return dim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 && a.n_heads / a.n_kv_heads <= 16 * warps_for(a.head_dim);
 }
 
-int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, const AttnShape& a) {
+int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, const AttnShape& a) {
   const int per_tile = 16 * warps_for(a.head_dim) / (a.n_heads / a.n_kv_heads);
   int64_t n = 0;
-  for (int32_t t : n_new) n += (t + per_tile - 1) / per_tile;
+  for (int32_t t : n_new)
+    if (t >= min_new) n += (t + per_tile - 1) / per_tile;
   return n;
 }
 
 void launch_flash_attention(KvKind kind, const float* q, const void* kc, const void* vc, const DevBatch& b,
-                            const int32_t* seq_begin, int n_seqs, int64_t n_tiles, const AttnShape& a, float* out,
-                            cudaStream_t s) {
+                            const int32_t* seq_begin, int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a,
+                            float* out, cudaStream_t s) {
   NB_CHECK(flash_attention_supported(a), "flash attention: head_dim " + std::to_string(a.head_dim) + " with " +
                                              std::to_string(a.n_heads) + "/" + std::to_string(a.n_kv_heads) +
                                              " heads is not supported");
   NB_CHECK(n_tiles >= 1 && n_tiles < (int64_t{1} << 31) && a.n_kv_heads <= 65535, "flash attention: grid");
   switch (kind) {
     case KvKind::kF32:
-      return launch_kind<KvKind::kF32>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_kind<KvKind::kF32>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
     case KvKind::kBF16:
-      return launch_kind<KvKind::kBF16>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_kind<KvKind::kBF16>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
     case KvKind::kFP8:
-      return launch_kind<KvKind::kFP8>(q, kc, vc, b, seq_begin, n_seqs, n_tiles, a, out, s);
+      return launch_kind<KvKind::kFP8>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
   }
 }
 

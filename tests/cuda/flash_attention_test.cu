@@ -1,10 +1,11 @@
-// The tiled prefill attention (kernels/flash_attention.cu, forced for every step) against the CPU
-// backend's attention on fresh random q/k/v (seed printed), outputs poisoned: every cache kind, GQA
-// ratios 1..64 (and 3, which does not divide a tile), head dims 16..128, sinks, windows smaller and larger
-// than the context, n_past > 0, several sequences of odd lengths in one batch over scrambled blocks.
-// K and V are rounded to the cache kind on the host first, so the CPU sees exactly the cached values and
-// the bound covers only the kernel's operand rounding (Q and P to bf16 / fp16, or the fp32 cache's hi+lo
-// split) and summation order. Skips without a GPU.
+// The tiled prefill attention (kernels/flash_attention.cu) against the CPU backend's attention, forced for
+// every sequence and mixed with the split kernel in one step (chunks beside decodes), on fresh random
+// q/k/v (seed printed), outputs poisoned: every cache kind, GQA ratios 1..64 (and 3, which does not divide
+// a tile), head dims 16..128, sinks, windows smaller and larger than the context, n_past > 0, several
+// sequences of odd lengths in one batch over scrambled blocks. K and V are rounded to the cache kind on
+// the host first, so the CPU sees exactly the cached values and the bound covers only the kernel's
+// operand rounding (Q and P to bf16 / fp16, or the fp32 cache's hi+lo split) and summation order.
+// Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -72,7 +73,7 @@ class FlashAttention : public ::testing::Test {
     CudaBackendOptions o;
     o.poison = true;
     o.kv_cache_dtype = kv;
-    o.prefill_attention_min_tokens = 1;
+    o.prefill_attention_min_tokens = min_tokens_;
     auto g = CudaBackend::create(o);
     if (!g.ok()) return nullptr;
     return std::move(g.value());
@@ -167,6 +168,7 @@ class FlashAttention : public ::testing::Test {
   }
 
   CpuBackend cpu_{4};
+  int min_tokens_ = 1;  // every sequence through the tiled kernel
 };
 
 const std::vector<Case>& cases() {
@@ -197,6 +199,16 @@ TEST_F(FlashAttention, Bf16CacheMatchesCpu) {
 TEST_F(FlashAttention, Fp8CacheMatchesCpu) {
   for (const Case& c : cases()) run(c, DType::kF8_E4M3);
 }
+// A step where chunks share the batch with decodes (default threshold 8): sequences of >= 8 new tokens
+// go through the tiled kernel, the others through the split kernel, into one output.
+TEST_F(FlashAttention, MixedStepMatchesCpu) {
+  min_tokens_ = 8;
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    run({8, 1, 64, 0, true, {{300, 1}, {0, 40}, {17, 3}, {50, 9}, {7, 7}}}, dt);
+    run({8, 2, 128, 24, false, {{0, 8}, {90, 2}}}, dt);
+  }
+}
+
 // One long prompt: many key tiles per block, tiles skipped by the causal bound.
 TEST_F(FlashAttention, LongPromptMatchesCpu) {
   run({16, 2, 64, 0, true, {{0, 700}}}, DType::kF32);

@@ -577,29 +577,33 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   a.scale = p.scale;
   a.window = p.window;
   a.sinks = p.sinks ? p.sinks->data<float>() : nullptr;
+  const cuda::DevBatch& db = impl_->batch(b);
+  Tensor out = alloc(DType::kF32, q.shape);
+  // Sequences bringing many query tokens (prefill, chunks) take the tiled tensor-core kernel; the others
+  // (decode) the split-context one, both in the same step when a chunk shares it with decodes: a decode
+  // token alone would fill 1 / group of a tile's rows and walk its context in one block.
+  const int min_new = impl_->options.prefill_attention_min_tokens;
+  std::vector<int32_t> n_new;
+  int64_t n_split_tokens = 0;  // tokens left to the split kernel
+  for (const SeqInfo& s : b.seqs) n_new.push_back(s.n_new);
+  const bool tiled = cuda::flash_attention_supported(a);
+  for (int32_t n : n_new) n_split_tokens += tiled && n >= min_new ? 0 : n;
+  if (n_split_tokens < b.n_tokens()) {
+    cuda::launch_flash_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(),
+                                 cache.v[layer].data<uint8_t>(), db, impl_->d_seq_begin,
+                                 static_cast<int>(b.seqs.size()), min_new,
+                                 cuda::flash_attention_tiles(n_new, min_new, a), a, out.data<float>(), impl_->stream);
+    if (n_split_tokens == 0) return out;
+    a.skip_min_new = min_new;
+    a.seq_begin = impl_->d_seq_begin;
+  }
   // Split the context so that heads x tokens x splits gives ~8 blocks per SM: a warp walks its keys one
   // after another (each a dependent load + warp sum), so decode wants many short walks. The count depends
   // on the shapes only, not on the context length, so a captured decode graph stays right as the context
   // grows (splits beyond the context are empty and cost one idle block each).
-  const int64_t want = (8 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
+  const int64_t want = (8 * impl_->info.sm_count + a.n_heads * n_split_tokens - 1) / (a.n_heads * n_split_tokens);
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
-  const cuda::DevBatch& db = impl_->batch(b);
-  // Steps where a sequence brings many query tokens (prefill, chunks) take the tiled tensor-core kernel;
-  // decode keeps the split-context one (a decode token alone fills 1 / group of a tile's rows and walks
-  // its context in one block). Decodes sharing a step with a chunk go through the tiled kernel too.
-  std::vector<int32_t> n_new;
-  for (const SeqInfo& s : b.seqs) n_new.push_back(s.n_new);
-  const int32_t most = n_new.empty() ? 0 : *std::max_element(n_new.begin(), n_new.end());
-  if (most >= impl_->options.prefill_attention_min_tokens && cuda::flash_attention_supported(a)) {
-    Tensor out = alloc(DType::kF32, q.shape);
-    cuda::launch_flash_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(),
-                                 cache.v[layer].data<uint8_t>(), db, impl_->d_seq_begin,
-                                 static_cast<int>(b.seqs.size()), cuda::flash_attention_tiles(n_new, a), a,
-                                 out.data<float>(), impl_->stream);
-    return out;
-  }
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
-  Tensor out = alloc(DType::kF32, q.shape);
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
                          db, a, ws.data<float>(), out.data<float>(), impl_->stream);
   return out;
