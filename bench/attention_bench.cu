@@ -33,7 +33,8 @@ Setup make_batch(int n_past, int n_new) {
   std::vector<int32_t> table(s.n_blocks);
   for (int i = 0; i < s.n_blocks; ++i) table[i] = i;
   s.b.seqs.push_back(SeqInfo{0, n_new, n_past, table});
-  for (int i = 0; i < n_new; ++i) s.b.tokens.push_back(0), s.b.positions.push_back(n_past + i), s.b.seq_of.push_back(0);
+  for (int i = 0; i < n_new; ++i)
+    s.b.tokens.push_back(0), s.b.positions.push_back(n_past + i), s.b.seq_of.push_back(0);
   return s;
 }
 
@@ -48,9 +49,11 @@ double time_attention(DType kv, int min_tokens, int n_past, int n_new, int windo
   const Setup all = make_batch(0, n_past + n_new), step = make_batch(n_past, n_new);
   auto cache = gpu.new_kv_cache(1, all.n_blocks, kKvHeads, kHeadDim);
   const int64_t T = n_past + n_new;
-  Tensor k = gpu.random_floats({T, kKvHeads, kHeadDim}, 0, 1, 1), v = gpu.random_floats({T, kKvHeads, kHeadDim}, 0, 1, 2);
+  Tensor k = gpu.random_floats({T, kKvHeads, kHeadDim}, 0, 1, 1),
+         v = gpu.random_floats({T, kKvHeads, kHeadDim}, 0, 1, 2);
   gpu.kv_write(*cache, 0, k, v, all.b);
-  Tensor q = gpu.random_floats({n_new, kHeads, kHeadDim}, 0, 1, 3), sinks = gpu.random_floats({kHeads}, 0, 1, 4);
+  Tensor q = gpu.random_floats({n_new, kHeads, kHeadDim}, 0, 1, 3),
+         sinks = gpu.random_floats({kHeads}, 0, 1, 4);
   const AttentionParams p{0.125f, window, &sinks};
   auto stream = static_cast<cudaStream_t>(gpu.stream());
   for (int i = 0; i < 3; ++i) gpu.attention(q, *cache, 0, step.b, p);
@@ -83,7 +86,8 @@ int run() {
     return 1;
   }
   std::printf("command: nibble_attention_bench\nGPU: %s\n", describe(*info).c_str());
-  std::printf("gpt-oss attention: %d query heads, %d KV heads, head_dim %d, sinks\n\n", kHeads, kKvHeads, kHeadDim);
+  std::printf("gpt-oss attention: %d query heads, %d KV heads, head_dim %d, sinks\n\n", kHeads, kKvHeads,
+              kHeadDim);
   std::printf("| prompt | window | KV cache | tiled ms | tiled TFLOP/s | split ms | split TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (int n : {512, 2048, 8192})
@@ -93,8 +97,9 @@ int run() {
         const double tiled = time_attention(kv, 1, 0, n, window);
         // The split kernel at pp8192 full attention takes seconds; measure it where it is quick.
         const double split = n <= 2048 || window > 0 ? time_attention(kv, INT_MAX, 0, n, window) : -1;
-        std::printf("| pp%d | %d | %s | %.3f | %.1f | %s | %s |\n", n, window, std::string(dtype_name(kv)).c_str(),
-                    tiled, f / tiled / 1e9, split > 0 ? std::to_string(split).c_str() : "-",
+        std::printf("| pp%d | %d | %s | %.3f | %.1f | %s | %s |\n", n, window,
+                    std::string(dtype_name(kv)).c_str(), tiled, f / tiled / 1e9,
+                    split > 0 ? std::to_string(split).c_str() : "-",
                     split > 0 ? std::to_string(f / split / 1e9).c_str() : "-");
         std::fflush(stdout);
       }

@@ -9,8 +9,6 @@
 //   FP8:  fp16 (E4M3 converts to fp16 exactly; Q and P rounded to 2^-12 relative; |q| clamped to 65504).
 //   fp32: each operand split into bf16 hi + lo (x - hi - lo <= 2^-18 |x|) and a b ~ ah bh + ah bl + al bh,
 //         three mmas per product: ~2^-16 relative per term, close to the fp32 reference the goldens need.
-#include "kernels/flash_attention.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "kernels/flash_attention.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -131,8 +130,8 @@ struct Tile {
 // `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
 // and waits).
 template <KvKind K, int D>
-__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ cache, const int32_t* table,
-                                          int k0, int last, int kvh, int n_kv_heads,
+__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ cache,
+                                          const int32_t* table, int k0, int last, int kvh, int n_kv_heads,
                                           typename Tile<K, D>::T* dst) {
   using Src = typename KvElem<K>::T;
   using T = typename Tile<K, D>::T;
@@ -182,11 +181,13 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
 #pragma unroll
     for (int kk = 0; kk < kKs; ++kk) {
       const T* kr = kb + (nt * 8 + g) * kS + kk * 16 + 2 * c;
-      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr), b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr),
+                     b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
       mma<T>(s[nt], qa[0][kk], b0, b1);
       if constexpr (kP == 2) {
         const T* kl = kr + kN * kS;
-        mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl), *reinterpret_cast<const uint32_t*>(kl + 8));
+        mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl),
+               *reinterpret_cast<const uint32_t*>(kl + 8));
         mma<T>(s[nt], qa[1][kk], b0, b1);
       }
     }
@@ -260,11 +261,11 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
 }
 
 template <KvKind K, int D>
-__global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) flash_attention_kernel(const float* __restrict__ q,
-                                                                   const typename KvElem<K>::T* __restrict__ kc,
-                                                                   const typename KvElem<K>::T* __restrict__ vc,
-                                                                   DevBatch b, const int32_t* __restrict__ seq_begin,
-                                                                   int n_seqs, int min_new, AttnShape a, float* __restrict__ out) {
+__global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
+    flash_attention_kernel(const float* __restrict__ q, const typename KvElem<K>::T* __restrict__ kc,
+                           const typename KvElem<K>::T* __restrict__ vc, DevBatch b,
+                           const int32_t* __restrict__ seq_begin, int n_seqs, int min_new, AttnShape a,
+                           float* __restrict__ out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   using G = Tile<K, D>;
   using T = typename G::T;
@@ -326,8 +327,9 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
       for (int h = 0; h < 2; ++h) {
         float2 x = make_float2(0.0f, 0.0f);
         if (row_tok[h] >= 0)
-          x = *reinterpret_cast<const float2*>(q + (static_cast<int64_t>(row_tok[h]) * a.n_heads + row_head[h]) * D +
-                                               kk * 16 + part * 8 + 2 * c);
+          x = *reinterpret_cast<const float2*>(
+              q + (static_cast<int64_t>(row_tok[h]) * a.n_heads + row_head[h]) * D + kk * 16 + part * 8 +
+              2 * c);
         T x0[kP], x1[kP];
         split<T, kP>(x.x, x0);
         split<T, kP>(x.y, x1);
@@ -370,7 +372,8 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks) 
     __syncthreads();
     // Warp-uniform: skip tiles no row of the warp sees; mask only tiles some row sees in part.
     if (k0 <= warp_last && k0 + kN - 1 >= warp_lo) {
-      const bool masked = tail_rows || k0 + kN - 1 > warp_first || (a.window > 0 && k0 <= warp_last - a.window);
+      const bool masked =
+          tail_rows || k0 + kN - 1 > warp_first || (a.window > 0 && k0 <= warp_last - a.window);
       tile_step<K, D>(qa, kb, vb, k0, pos, a.window, sc, masked, m, l, o);
     }
     __syncthreads();  // this buffer is refilled in the next iteration
@@ -396,8 +399,9 @@ template <KvKind K, int D>
 void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
   using E = typename KvElem<K>::T;
-  launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads), Tile<K, D>::kThreads, 0, s, q,
-             static_cast<const E*>(kc), static_cast<const E*>(vc), b, seq_begin, n_seqs, min_new, a, out);
+  launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads),
+             Tile<K, D>::kThreads, 0, s, q, static_cast<const E*>(kc), static_cast<const E*>(vc), b,
+             seq_begin, n_seqs, min_new, a, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -420,7 +424,8 @@ void launch_kind(const float* q, const void* kc, const void* vc, const DevBatch&
 
 bool flash_attention_supported(const AttnShape& a) {
   const bool dim = a.head_dim == 16 || a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128;
-  return dim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 && a.n_heads / a.n_kv_heads <= 16 * warps_for(a.head_dim);
+  return dim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 &&
+         a.n_heads / a.n_kv_heads <= 16 * warps_for(a.head_dim);
 }
 
 int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, const AttnShape& a) {
@@ -432,11 +437,11 @@ int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, co
 }
 
 void launch_flash_attention(KvKind kind, const float* q, const void* kc, const void* vc, const DevBatch& b,
-                            const int32_t* seq_begin, int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a,
-                            float* out, cudaStream_t s) {
-  NB_CHECK(flash_attention_supported(a), "flash attention: head_dim " + std::to_string(a.head_dim) + " with " +
-                                             std::to_string(a.n_heads) + "/" + std::to_string(a.n_kv_heads) +
-                                             " heads is not supported");
+                            const int32_t* seq_begin, int n_seqs, int min_new, int64_t n_tiles,
+                            const AttnShape& a, float* out, cudaStream_t s) {
+  NB_CHECK(flash_attention_supported(a), "flash attention: head_dim " + std::to_string(a.head_dim) +
+                                             " with " + std::to_string(a.n_heads) + "/" +
+                                             std::to_string(a.n_kv_heads) + " heads is not supported");
   NB_CHECK(n_tiles >= 1 && n_tiles < (int64_t{1} << 31) && a.n_kv_heads <= 65535, "flash attention: grid");
   switch (kind) {
     case KvKind::kF32:

@@ -1,8 +1,9 @@
 // Prefill attention over the paged KV cache, FlashAttention-style: a block takes the query rows of a few
 // tokens of one sequence times the heads of one KV head group (GQA: the group shares each K/V tile),
 // streams K/V tiles of 64 keys through shared memory and keeps an online softmax in fp32; QK^T and PV run
-// on mma.sync m16n8k16 (sm_80 instructions only). Head dims 16..128 in powers of two. Same semantics as launch_attention: causal, keys
-// (p - window, p] when window > 0, a per-head sink logit in the denominator, any n_past (chunked prefill).
+// on mma.sync m16n8k16 (sm_80 instructions only). Head dims 16..128 in powers of two. Same semantics as
+// launch_attention: causal, keys (p - window, p] when window > 0, a per-head sink logit in the denominator,
+// any n_past (chunked prefill).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +29,7 @@ int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, co
 // tokens are computed (the others' rows of out are left as they are, for launch_attention with
 // AttnShape::skip_min_new = min_new); n_tiles from flash_attention_tiles.
 void launch_flash_attention(KvKind kind, const float* q, const void* k_cache, const void* v_cache,
-                            const DevBatch& b, const int32_t* seq_begin, int n_seqs, int min_new, int64_t n_tiles,
-                            const AttnShape& a, float* out, cudaStream_t s);
+                            const DevBatch& b, const int32_t* seq_begin, int n_seqs, int min_new,
+                            int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s);
 
 }  // namespace nb::cuda

@@ -60,8 +60,9 @@ struct Case {
 
 std::string describe(const Case& c, DType dt) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%s heads %d/%d head_dim %d window %d%s seqs", std::string(dtype_name(dt)).c_str(),
-                c.n_heads, c.n_kv_heads, c.head_dim, c.window, c.sinks ? " sinks" : "");
+  std::snprintf(buf, sizeof buf, "%s heads %d/%d head_dim %d window %d%s seqs",
+                std::string(dtype_name(dt)).c_str(), c.n_heads, c.n_kv_heads, c.head_dim, c.window,
+                c.sinks ? " sinks" : "");
   std::string s = buf;
   for (auto [p, n] : c.seqs) s += " " + std::to_string(p) + "+" + std::to_string(n);
   return s;
@@ -94,7 +95,8 @@ class FlashAttention : public ::testing::Test {
     size_t next = 0;
     for (size_t s = 0; s < c.seqs.size(); ++s) {
       const auto [past, n] = c.seqs[s];
-      std::vector<int32_t> table(pool.begin() + next, pool.begin() + next + (past + n + kKvBlock - 1) / kKvBlock);
+      std::vector<int32_t> table(pool.begin() + next,
+                                 pool.begin() + next + (past + n + kKvBlock - 1) / kKvBlock);
       next += table.size();
       if (past > 0) {
         fill.seqs.push_back(SeqInfo{static_cast<int32_t>(fill.tokens.size()), past, 0, table});
@@ -102,7 +104,8 @@ class FlashAttention : public ::testing::Test {
           fill.tokens.push_back(0), fill.positions.push_back(i), fill.seq_of.push_back(fill.seqs.size() - 1);
       }
       b.seqs.push_back(SeqInfo{static_cast<int32_t>(b.tokens.size()), n, past, table});
-      for (int i = 0; i < n; ++i) b.tokens.push_back(0), b.positions.push_back(past + i), b.seq_of.push_back(s);
+      for (int i = 0; i < n; ++i)
+        b.tokens.push_back(0), b.positions.push_back(past + i), b.seq_of.push_back(s);
     }
     auto cc = cpu_.new_kv_cache(1, static_cast<int>(pool.size()), nkv, hd);
     auto gc = g->new_kv_cache(1, static_cast<int>(pool.size()), nkv, hd);
@@ -120,7 +123,8 @@ class FlashAttention : public ::testing::Test {
     const std::vector<float> q = randn(T * nh * hd), sinks = randn(nh);
     Tensor cs = host(sinks, {nh}), gs = dev(*g, sinks, {nh});
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const AttentionParams cp{scale, c.window, c.sinks ? &cs : nullptr}, gp{scale, c.window, c.sinks ? &gs : nullptr};
+    const AttentionParams cp{scale, c.window, c.sinks ? &cs : nullptr},
+        gp{scale, c.window, c.sinks ? &gs : nullptr};
     const std::vector<float> want = cpu_.to_host(cpu_.attention(host(q, {T, nh, hd}), *cc, 0, b, cp));
     const std::vector<float> got = g->to_host(g->attention(dev(*g, q, {T, nh, hd}), *gc, 0, b, gp));
 
@@ -140,7 +144,8 @@ class FlashAttention : public ::testing::Test {
           const float* kr = kc + (slot * nkv + kvh) * hd;
           const float* vr = vc + (slot * nkv + kvh) * hd;
           double s = 0;
-          for (int d = 0; d < hd; ++d) s += std::abs(q[(t * nh + h) * hd + d] * kr[d]), vmax = std::max<double>(vmax, std::abs(vr[d]));
+          for (int d = 0; d < hd; ++d)
+            s += std::abs(q[(t * nh + h) * hd + d] * kr[d]), vmax = std::max<double>(vmax, std::abs(vr[d]));
           qk = std::max(qk, s);
         }
         const double delta = scale * qk * eps;
