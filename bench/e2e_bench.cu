@@ -1,10 +1,17 @@
-// End-to-end decode benchmark: a model built from configs/<name>/config.json with --dummy-weights on the
-// GPU, at each --dense-format; tg128 at batch 1 (one prompt token, then 128 decode steps through
-// Model::forward_sampled, greedy ids sampled on the GPU and copied to the host, as the engine does). Prints ready time, tok/s,
-// the variant's bytes per token and % of the roofline (measured read bandwidth / bytes per token).
-// Usage: nibble_e2e_bench CONFIG_DIR... (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
+// End-to-end benchmark: a model built from configs/<name>/config.json with --dummy-weights on the GPU.
+// Decode: at each --dense-format, tg128 at batch 1 (one prompt token, then 128 decode steps through
+// Model::forward_sampled, greedy ids sampled on the GPU and copied to the host, as the engine does); prints
+// ready time, tok/s, the variant's bytes per token and % of the roofline (measured read bandwidth / bytes
+// per token).
+// Prefill: with the checkpoint's own dense format, ppN at batch 1: the time to process an N-token prompt
+// (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
+// in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
+// Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] CONFIG_DIR...
+//   (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -52,7 +59,104 @@ double bytes_per_token(const ModelConfig& c, DenseFormat dense, int ctx) {
   return c.n_layers * (attn + mlp) + kv_bytes + double(c.vocab_size) * d * bytes_per_param(df, c.d_model) + d * 2;
 }
 
+struct Args {
+  std::vector<int> pp = {512, 2048, 8192};
+  int chunk = 0;  // 0: the whole prompt in one step
+  double max_seconds = 20;
+  bool tg = true;
+  std::vector<std::string> dirs;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "--pp" && i + 1 < argc) {
+      a.pp.clear();
+      for (const char* p = argv[++i]; *p;) {
+        char* end = nullptr;
+        a.pp.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+        p = *end == ',' ? end + 1 : end;
+      }
+    } else if (s == "--chunk" && i + 1 < argc) {
+      a.chunk = std::atoi(argv[++i]);
+    } else if (s == "--max-seconds" && i + 1 < argc) {
+      a.max_seconds = std::atof(argv[++i]);
+    } else if (s == "--no-tg") {
+      a.tg = false;
+    } else {
+      a.dirs.push_back(s);
+    }
+  }
+  return a;
+}
+
+// Seconds for one n-token prompt at batch 1 in chunks of `chunk` tokens (each chunk one forward step
+// attending to the cached prefix), or a negative number on error.
+double prefill_seconds(Model& model, KvCache& cache, const std::vector<int32_t>& table, int n, int chunk) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int past = 0; past < n;) {
+    const int step = chunk > 0 ? std::min(chunk, n - past) : n;
+    Batch b;
+    for (int i = 0; i < step; ++i) b.tokens.push_back(1 + (past + i) * 7 % 1000);
+    b.seqs.push_back({table, past, step, false});
+    if (!model.forward(b, cache).ok()) return -1;
+    past += step;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void run_prefill(const Args& args) {
+  std::printf("\nPrefill, batch 1, %s, dense format keep, default KV cache (BF16)\n\n",
+              args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step");
+  std::printf("| model | prompt | steps | s | pp tok/s |\n|---|---|---|---|---|\n");
+  for (const std::string& dir : args.dirs) {
+    ModelOptions o;
+    o.device = Device::kCuda;
+    o.dummy_weights = true;
+    auto m = Model::load(dir, o);
+    if (!m.ok()) {
+      std::printf("| %s | load failed: %s |\n", dir.c_str(), m.status().message().c_str());
+      continue;
+    }
+    Model& model = **m;
+    const int most = *std::max_element(args.pp.begin(), args.pp.end());
+    const int n_blocks = (most + 15) / 16 + 1;
+    auto cache = model.new_kv_cache(n_blocks);
+    std::vector<int32_t> table(n_blocks);
+    for (int i = 0; i < n_blocks; ++i) table[i] = i;
+    // Warm-up: lazily built tables, the activation pool.
+    const int small = *std::min_element(args.pp.begin(), args.pp.end());
+    if (prefill_seconds(model, *cache, table, small, args.chunk) < 0) {
+      std::printf("| %s | forward failed |\n", dir.c_str());
+      continue;
+    }
+    double rate = 0;  // tok/s of the last measured size, to project the next
+    for (int n : args.pp) {
+      const int steps = args.chunk > 0 ? (n + args.chunk - 1) / args.chunk : 1;
+      if (rate > 0 && n / rate > args.max_seconds) {
+        std::printf("| %s | pp%d | %d | skipped: ~%.0f s projected > --max-seconds | |\n", dir.c_str(), n, steps, n / rate);
+        continue;
+      }
+      const double secs = prefill_seconds(model, *cache, table, n, args.chunk);
+      if (secs < 0) {
+        std::printf("| %s | pp%d | forward failed |\n", dir.c_str(), n);
+        break;
+      }
+      rate = n / secs;
+      std::printf("| %s | pp%d | %d | %.3f | %.0f |\n", dir.c_str(), n, steps, secs, rate);
+      std::fflush(stdout);
+    }
+  }
+}
+
+void run_decode(const Args& args, double bw);
+
 int run(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  std::string command = "nibble_e2e_bench";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  std::printf("command: %s\n", command.c_str());
   auto info = cuda_device_info(0);
   if (!info.ok()) {
     std::fprintf(stderr, "nibble_e2e_bench: %s\n", info.status().message().c_str());
@@ -60,11 +164,16 @@ int run(int argc, char** argv) {
   }
   const double bw = cuda::measure_read_bandwidth(size_t{2} << 30, 10);
   std::printf("GPU: %s\nmeasured read bandwidth: %.0f GB/s\n\n", describe(*info).c_str(), bw);
+  if (args.tg) run_decode(args, bw);
+  if (!args.pp.empty()) run_prefill(args);
+  return 0;
+}
+
+void run_decode(const Args& args, double bw) {
   std::printf("| model | dense format | ready s | GB/token (ctx 64) | tg128 tok/s | roofline tok/s | %% of roofline |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   constexpr int kSteps = 128;
-  for (int a = 1; a < argc; ++a) {
-    const std::string dir = argv[a];
+  for (const std::string& dir : args.dirs) {
     for (DenseFormat dense : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4}) {
       ModelOptions o;
       o.device = Device::kCuda;
@@ -101,7 +210,6 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
-  return 0;
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// nibble run: one prompt, one continuation. Prefill the prompt in one forward pass, then decode one
-// token per pass over the paged KV cache, sampling on the host; text is printed as it is generated,
-// never splitting a UTF-8 character.
+// nibble run: one prompt, one continuation. Prefill the prompt in one forward pass (or in chunks of
+// --max-num-batched-tokens), then decode one token per pass over the paged KV cache, sampling on the
+// host; text is printed as it is generated, never splitting a UTF-8 character.
 #include <cstdio>
 #include <sstream>
 #include <unordered_set>
@@ -102,7 +102,22 @@ int cmd_run(const RunArgs& args) {
   std::vector<int32_t> generated;
   std::unique_ptr<TextStream> text;  // releases whole UTF-8 characters only
   if (!args.print_tokens) text = std::make_unique<TextStream>(*s.tokenizer, std::vector<std::string>{}, false);
+  // Chunked prefill: every prompt chunk but the last is one forward step over the cached prefix; the last
+  // goes through the loop below, whose logits pick the first token.
   std::vector<int32_t> next = prompt;
+  const size_t chunk = args.max_num_batched_tokens > 0 ? args.max_num_batched_tokens : next.size();
+  while (next.size() > chunk) {
+    Batch batch;
+    seq.n_new = static_cast<int32_t>(chunk);
+    batch.tokens.assign(next.begin(), next.begin() + chunk);
+    batch.seqs = {seq};
+    if (auto logits = s.model->forward(batch, *cache); !logits.ok()) {
+      std::fprintf(stderr, "nibble: error: %s\n", logits.status().message().c_str());
+      return 1;
+    }
+    seq.n_past += seq.n_new;
+    next.erase(next.begin(), next.begin() + chunk);
+  }
   for (int step = 0; step < args.n_predict; ++step) {
     Batch batch;
     seq.n_new = static_cast<int32_t>(next.size());

@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
   auto* seed = run_cmd->add_option("--seed", run.sampling.seed, "Random seed");
   run_cmd->add_flag("--print-tokens", run.print_tokens, "Print generated token ids instead of text");
   run_cmd->add_flag("--ignore-eos", run.ignore_eos, "Do not stop at end-of-sequence tokens");
+  run_cmd->add_option("--max-num-batched-tokens", run.max_num_batched_tokens,
+                      "Prefill the prompt in chunks of at most this many tokens (0: one step)")
+      ->check(CLI::NonNegativeNumber);
   run_cmd->add_option("--reasoning-effort", run.reasoning_effort, "gpt-oss chats: low, medium or high")
       ->check(CLI::IsMember({"low", "medium", "high"}))->capture_default_str();
   run_cmd->add_flag("--dummy-weights", run.dummy_weights,

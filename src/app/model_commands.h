@@ -19,6 +19,7 @@ struct RunArgs {
   bool print_tokens = false;
   bool ignore_eos = false;
   std::string reasoning_effort = "low";  // harmony chats
+  int max_num_batched_tokens = 0;        // > 0: prefill the prompt in chunks of this many tokens
   bool dummy_weights = false;            // random weights from config.json (benchmarking shapes)
   std::string device = "auto";
   int threads = 0;

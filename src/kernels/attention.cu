@@ -3,6 +3,7 @@
 // sum, and each warp keeps an online softmax (max, sum, weighted V). The block merges its warps into one
 // partial (max, sum, out) per split; attention_combine merges the splits and adds the sink to the
 // denominator (sink logits take part in the max, exactly as the reference softmax over [keys, sink]).
+// With skip_min_new, tokens of long new runs (prefill chunks) are left to the tiled kernel.
 #include "kernels/attention.cuh"
 
 #include "backend/cuda/cuda_check.h"
@@ -16,6 +17,13 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxHeadDim = 256;
 constexpr int kDimsPerLane = kMaxHeadDim / 32;
 static_assert(kMaxHeadDim % 32 == 0);
+
+// Whether token t belongs to a sequence the tiled prefill kernel takes (AttnShape::skip_min_new).
+__device__ __forceinline__ bool skipped(const DevBatch& b, const AttnShape& a, int64_t t) {
+  if (a.skip_min_new <= 0) return false;
+  const int s = b.seq_of[t];
+  return a.seq_begin[s + 1] - a.seq_begin[s] >= a.skip_min_new;
+}
 
 template <KvKind K>
 __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename KvElem<K>::T* __restrict__ vc,
@@ -42,6 +50,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
   using E = KvElem<K>;
   const int h = blockIdx.x, split = blockIdx.z;
   const int64_t t = blockIdx.y;
+  if (skipped(b, a, t)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hd = a.head_dim, kvh = h / (a.n_heads / a.n_kv_heads), row = a.n_kv_heads * hd;
   const int pos = b.positions[t];
@@ -99,10 +108,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
   }
 }
 
-__global__ void attention_combine_kernel(const float* __restrict__ ml, const float* __restrict__ po, AttnShape a,
-                                         float* __restrict__ out) {
+__global__ void attention_combine_kernel(const float* __restrict__ ml, const float* __restrict__ po, DevBatch b,
+                                         AttnShape a, float* __restrict__ out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t th = blockIdx.x;  // token * n_heads + head
+  if (skipped(b, a, th / a.n_heads)) return;
   const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
   float m = a.sinks ? a.sinks[h] : -INFINITY;
   for (int s = 0; s < S; ++s) m = fmaxf(m, ml[2 * (th * S + s)]);
@@ -129,7 +139,7 @@ void attention_for(const float* q, const void* kc, const void* vc, const DevBatc
   float* po = ws + b.n_tokens * a.n_heads * a.n_splits * 2;
   launch_pdl(attention_kernel<K>, dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po);
   CUDA_CHECK(cudaGetLastError());
-  launch_pdl(attention_combine_kernel, b.n_tokens * a.n_heads, 64, 0, s, ml, po, a, out);
+  launch_pdl(attention_combine_kernel, b.n_tokens * a.n_heads, 64, 0, s, ml, po, b, a, out);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -164,6 +174,7 @@ void launch_attention(KvKind kind, const float* q, const void* kc, const void* v
   NB_CHECK(a.head_dim > 0 && a.head_dim <= kMaxHeadDim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0,
            "attention: head_dim must be <= 256 and heads a multiple of kv heads");
   NB_CHECK(a.n_splits >= 1 && a.n_splits <= 65535 && b.n_tokens <= 65535, "attention: grid");
+  NB_CHECK(a.skip_min_new <= 0 || a.seq_begin, "attention: skip_min_new needs seq_begin");
   switch (kind) {
     case KvKind::kF32:
       return attention_for<KvKind::kF32>(q, kc, vc, b, a, ws, out, s);

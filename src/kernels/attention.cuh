@@ -31,6 +31,10 @@ struct AttnShape {
   int window = 0;                 // > 0: keys (p - window, p]
   const float* sinks = nullptr;   // [n_heads] or null
   int n_splits = 1;               // context splits per (token, head)
+  // > 0: tokens of sequences with at least this many new tokens are left out (the tiled prefill kernel
+  // takes them in the same step); seq_begin [n_seqs + 1] holds the sequences' token ranges.
+  int skip_min_new = 0;
+  const int32_t* seq_begin = nullptr;
 };
 // Scratch floats the launch needs for `n_tokens` tokens.
 int64_t attention_workspace_floats(int64_t n_tokens, const AttnShape& a);

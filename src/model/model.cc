@@ -57,6 +57,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     co.gemm_min_tokens = options.gemm_min_tokens;
     co.moe_gemm_min_tokens = options.moe_gemm_min_tokens;
     co.gemm_fp16_activations = options.gemm_fp16_activations;
+    if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {
       NB_ASSIGN_OR_RETURN(CudaLoadStats st, cuda->upload_checkpoint(ckpt));

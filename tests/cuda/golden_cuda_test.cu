@@ -2,7 +2,8 @@
 // same bounds as the CPU golden test in CI: per-position NLL within 0.02 as one batch, as chunks over
 // scrambled blocks and as two sequences in one batch; greedy ids through the KV cache equal up to the
 // first step whose reference margin is < 0.05. These run with an fp32 KV cache, as the CPU reference
-// does; the BF16 and FP8 caches round K and V and are reported with looser bounds.
+// does; the BF16 and FP8 caches round K and V and are reported with looser bounds. The same bounds hold
+// with the tiled prefill attention forced for every step, and chunked prefill matches one-shot prefill.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,12 +43,13 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
   }
   // gemm: 0 the default thresholds, 1 every linear and MoE layer through the prefill GEMMs (hi + lo
   // activations), 2 the same with one fp16 per activation.
-  void load(DType kv, int gemm = 0) {
+  void load(DType kv, int gemm = 0, int prefill_attention_min_tokens = 0) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.kv_cache_dtype = kv;
     if (gemm > 0) o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
     o.gemm_fp16_activations = gemm == 2;
+    o.prefill_attention_min_tokens = prefill_attention_min_tokens;
     auto m = Model::load(dir_, o);
     ASSERT_TRUE(m.ok()) << m.status().message();
     model_ = std::move(m.value());
@@ -139,6 +141,50 @@ TEST_P(GoldenCuda, GreedyWithKvCache) {
     if (step < checked) EXPECT_EQ(next, want[step]) << "greedy step " << step;
     const int32_t past = b.seqs[0].n_past + b.seqs[0].n_new;
     b = Batch{{want[step]}, {{table, past, 1, false}}};
+  }
+}
+
+// The tiled prefill attention for every step (one-token steps included): one batch, chunks of many sizes
+// through the cached prefix (the gpt-oss model's window is 8, so most chunks start past it).
+TEST_P(GoldenCuda, TiledAttentionEverywhere) {
+  load(DType::kF32, 0, 1);
+  const double one = chunked_nll_error({64}, {0, 1, 2, 3});
+  const double chunks = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
+  const double small = chunked_nll_error({5, 7, 3, 9, 17, 6, 17}, {3, 0, 7, 5});
+  std::printf("%s cuda, tiled attention: max NLL error, one batch %.2e, chunks 10+1+53 %.2e, 5+7+3+9+17+6+17 %.2e\n",
+              GetParam().c_str(), one, chunks, small);
+  EXPECT_LT(one, kNllTolerance);
+  EXPECT_LT(chunks, kNllTolerance);
+  EXPECT_LT(small, kNllTolerance);
+}
+
+// Chunked prefill (default dispatch: chunks below the tiled kernel's threshold take the split kernel)
+// equals one-shot prefill well inside the golden bound: a logit difference e moves an NLL by at most 2 e.
+TEST_P(GoldenCuda, ChunkedEqualsOneShot) {
+  auto logits_of = [&](const std::vector<int>& chunks) {
+    auto cache = model_->new_kv_cache(8);
+    std::vector<float> all;
+    int32_t past = 0;
+    for (int n : chunks) {
+      Batch b;
+      b.tokens.assign(tokens_.begin() + past, tokens_.begin() + past + n);
+      b.seqs.push_back({{2, 0, 3, 1}, past, n, true});
+      auto out = model_->forward(b, *cache);
+      EXPECT_TRUE(out.ok()) << out.status().message();
+      if (out.ok()) all.insert(all.end(), out->begin(), out->end());
+      past += n;
+    }
+    return all;
+  };
+  const std::vector<float> one = logits_of({64});
+  for (const std::vector<int>& chunks : {std::vector<int>{40, 24}, std::vector<int>{5, 59}, std::vector<int>{61, 3}}) {
+    const std::vector<float> got = logits_of(chunks);
+    ASSERT_EQ(got.size(), one.size());
+    double err = 0;
+    for (size_t i = 0; i < one.size(); ++i) err = std::max(err, double(std::abs(one[i] - got[i])));
+    std::printf("%s cuda: chunks %d+%d vs one batch: max |logit difference| %.2e\n", GetParam().c_str(), chunks[0],
+                chunks[1], err);
+    EXPECT_LT(err, 2e-3);
   }
 }
 

@@ -14,6 +14,7 @@
 #include "backend/cuda/device.h"
 #include "base/log.h"
 #include "kernels/attention.cuh"
+#include "kernels/flash_attention.cuh"
 #include "kernels/gemm_fp4.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
@@ -146,6 +147,7 @@ struct CudaBackend::Impl {
   cuda::DevBatch dev_batch;
   const int32_t* d_tokens = nullptr;
   const int32_t* d_logit_rows = nullptr;
+  const int32_t* d_seq_begin = nullptr;  // [n_seqs + 1] token ranges, for prefill attention
   std::vector<int32_t> h_logit_rows;
   std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
 
@@ -252,7 +254,7 @@ struct CudaBackend::Impl {
     int32_t stride = 1;
     for (const SeqInfo& s : b.seqs) stride = std::max<int32_t>(stride, static_cast<int32_t>(s.block_table.size()));
     std::vector<int32_t> h;
-    h.reserve(3 * T + b.logit_rows.size() + b.seqs.size() * stride);
+    h.reserve(3 * T + b.logit_rows.size() + b.seqs.size() * (stride + 1) + 1);
     h.insert(h.end(), b.tokens.begin(), b.tokens.end());
     h.insert(h.end(), b.positions.begin(), b.positions.end());
     h.insert(h.end(), b.seq_of.begin(), b.seq_of.end());
@@ -261,6 +263,8 @@ struct CudaBackend::Impl {
       h.insert(h.end(), s.block_table.begin(), s.block_table.end());
       h.insert(h.end(), stride - s.block_table.size(), 0);
     }
+    for (const SeqInfo& s : b.seqs) h.push_back(s.begin);
+    h.push_back(static_cast<int32_t>(T));
     *stride_out = stride;
     return h;
   }
@@ -274,6 +278,7 @@ struct CudaBackend::Impl {
     d_logit_rows = base + 3 * T;
     h_logit_rows = b.logit_rows;
     dev_batch = cuda::DevBatch{base + T, base + 2 * T, base + 3 * T + b.logit_rows.size(), stride, T};
+    d_seq_begin = dev_batch.tables + b.seqs.size() * stride;
     h_batch = std::move(h);
   }
 
@@ -572,15 +577,33 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   a.scale = p.scale;
   a.window = p.window;
   a.sinks = p.sinks ? p.sinks->data<float>() : nullptr;
+  const cuda::DevBatch& db = impl_->batch(b);
+  Tensor out = alloc(DType::kF32, q.shape);
+  // Sequences bringing many query tokens (prefill, chunks) take the tiled tensor-core kernel; the others
+  // (decode) the split-context one, both in the same step when a chunk shares it with decodes: a decode
+  // token alone would fill 1 / group of a tile's rows and walk its context in one block.
+  const int min_new = impl_->options.prefill_attention_min_tokens;
+  std::vector<int32_t> n_new;
+  int64_t n_split_tokens = 0;  // tokens left to the split kernel
+  for (const SeqInfo& s : b.seqs) n_new.push_back(s.n_new);
+  const bool tiled = cuda::flash_attention_supported(a);
+  for (int32_t n : n_new) n_split_tokens += tiled && n >= min_new ? 0 : n;
+  if (n_split_tokens < b.n_tokens()) {
+    cuda::launch_flash_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(),
+                                 cache.v[layer].data<uint8_t>(), db, impl_->d_seq_begin,
+                                 static_cast<int>(b.seqs.size()), min_new,
+                                 cuda::flash_attention_tiles(n_new, min_new, a), a, out.data<float>(), impl_->stream);
+    if (n_split_tokens == 0) return out;
+    a.skip_min_new = min_new;
+    a.seq_begin = impl_->d_seq_begin;
+  }
   // Split the context so that heads x tokens x splits gives ~8 blocks per SM: a warp walks its keys one
   // after another (each a dependent load + warp sum), so decode wants many short walks. The count depends
   // on the shapes only, not on the context length, so a captured decode graph stays right as the context
   // grows (splits beyond the context are empty and cost one idle block each).
-  const int64_t want = (8 * impl_->info.sm_count + a.n_heads * b.n_tokens() - 1) / (a.n_heads * b.n_tokens());
+  const int64_t want = (8 * impl_->info.sm_count + a.n_heads * n_split_tokens - 1) / (a.n_heads * n_split_tokens);
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
-  const cuda::DevBatch& db = impl_->batch(b);
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
-  Tensor out = alloc(DType::kF32, q.shape);
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
                          db, a, ws.data<float>(), out.data<float>(), impl_->stream);
   return out;

@@ -28,6 +28,10 @@ struct CudaBackendOptions {
   int gemm_min_tokens = 0;
   int moe_gemm_min_tokens = 0;
   bool gemm_fp16_activations = false;  // the GEMMs round activations to one fp16 (11 bits) instead of hi + lo
+  // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
+  // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
+  // split kernel wins at 1-2 new tokens, the tiled one from 4 (1.7x) and 8 (3x); see bench/NOTES.md.
+  int prefill_attention_min_tokens = 8;
 };
 
 struct CudaLoadStats {

@@ -1,0 +1,456 @@
+// Prefill attention; see flash_attention.cuh. Block = 8 warps = 128 query rows (4 warps for head_dim
+// 128); row r is token
+// r / group of the tile and head kv_head * group + r % group, so every row of a block reads the same K/V.
+// Per 64-key tile: the block converts K and V from the cache into padded shared memory, each warp computes
+// S = Q K^T for its 16 rows (mma m16n8k16, fp32 accumulate), masks (causal, window), updates its online
+// softmax (max, sum in fp32, base-2 exponent) and adds P V (P from the S accumulators, V through
+// ldmatrix.trans). Operand types by cache kind:
+//   BF16: Q, K, P, V in bf16 (Q and P rounded to 2^-9 relative, as the cache rounds K and V).
+//   FP8:  fp16 (E4M3 converts to fp16 exactly; Q and P rounded to 2^-12 relative; |q| clamped to 65504).
+//   fp32: each operand split into bf16 hi + lo (x - hi - lo <= 2^-18 |x|) and a b ~ ah bh + ah bl + al bh,
+//         three mmas per product: ~2^-16 relative per term, close to the fp32 reference the goldens need.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <string>
+#include <type_traits>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "kernels/flash_attention.cuh"
+
+namespace nb::cuda {
+namespace {
+
+// Warps per block (16 query rows each). Every row of a block shares each K/V tile, so more rows means
+// fewer tile reads from L2 per FLOP (gpt-oss pp2048 with 64 rows: ~0.5 GB of L2 reads per full layer);
+// 8 warps for head_dim <= 64 (<= 128 registers with one plane, two blocks per SM), 4 for 128 (~175).
+constexpr int warps_for(int head_dim) { return head_dim <= 64 ? 8 : 4; }
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Operand element type and number of bf16 planes for a cache kind.
+template <KvKind K>
+struct Operand {
+  using T = __nv_bfloat16;
+  static constexpr int kPlanes = 1;
+};
+template <>
+struct Operand<KvKind::kFP8> {
+  using T = __half;
+  static constexpr int kPlanes = 1;
+};
+template <>
+struct Operand<KvKind::kF32> {
+  using T = __nv_bfloat16;
+  static constexpr int kPlanes = 2;
+};
+
+template <class T>
+__device__ __forceinline__ T to_op(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_op<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half to_op<__half>(float x) {
+  return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f));
+}
+template <class T>
+__device__ __forceinline__ float from_op(T x);
+template <>
+__device__ __forceinline__ float from_op<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+// x as planes: hi (and lo = x - hi when there are two).
+template <class T, int P>
+__device__ __forceinline__ void split(float x, T (&out)[P]) {
+  out[0] = to_op<T>(x);
+  if constexpr (P == 2) out[1] = to_op<T>(x - from_op<T>(out[0]));
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(T lo, T hi) {
+  const uint16_t a = reinterpret_cast<const uint16_t&>(lo), b = reinterpret_cast<const uint16_t&>(hi);
+  return uint32_t{a} | (uint32_t{b} << 16);
+}
+
+// acc += a b for one m16n8k16 tile.
+template <class T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // src-size 0 fills the 16 bytes with zeros and reads nothing.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tile geometry. kN keys per tile: 64, or 32 where a tile row is 128 operand elements or more (registers
+// for S, and two 64-key BF16 tiles of head_dim 128 would pass 48 KB of static shared memory). Rows of
+// shared memory are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches
+// fall on distinct banks. The BF16 cache (bytes copied as they are) fills the next tile's buffer with
+// cp.async while the current one is computed; FP8 and fp32 convert through registers into one buffer.
+template <KvKind K, int D>
+struct Tile {
+  using T = typename Operand<K>::T;
+  static constexpr int kPlanes = Operand<K>::kPlanes;
+  static constexpr bool kAsync = K == KvKind::kBF16;
+  static constexpr int kN = D * kPlanes >= 128 ? 32 : 64;
+  static constexpr int kStride = D + 8;
+  static constexpr int kElems = kPlanes * kN * kStride;  // one buffer of K (or V)
+  static constexpr int kBuffers = kAsync ? 2 : 1;
+  static constexpr int kWarps = warps_for(D), kThreads = kWarps * 32, kRows = kWarps * 16;
+  static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
+  static_assert(D % 16 == 0 && kN % 16 == 0);
+};
+
+// Converts keys [k0, k0 + kN) of one KV head from the cache into dst [kPlanes][kN][kStride]; keys past
+// `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
+// and waits).
+template <KvKind K, int D>
+__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ cache,
+                                          const int32_t* table, int k0, int last, int kvh, int n_kv_heads,
+                                          typename Tile<K, D>::T* dst) {
+  using Src = typename KvElem<K>::T;
+  using T = typename Tile<K, D>::T;
+  constexpr int kN = Tile<K, D>::kN, kS = Tile<K, D>::kStride, kP = Tile<K, D>::kPlanes;
+  constexpr int kG = 16 / sizeof(Src);  // elements per 16-byte chunk
+  constexpr int kChunks = D / kG;       // chunks per key row
+  for (int i = threadIdx.x; i < kN * kChunks; i += Tile<K, D>::kThreads) {
+    const int key = i / kChunks, ch = i % kChunks, kp = k0 + key;
+    const Src* src = cache;  // any valid address where nothing is read
+    if (kp <= last) {
+      const int64_t slot = static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock;
+      src = cache + (slot * n_kv_heads + kvh) * D + ch * kG;
+    }
+    T* row = dst + key * kS + ch * kG;
+    if constexpr (Tile<K, D>::kAsync) {
+      cp_async16(row, src, kp <= last);  // the cache's bf16 bits are the operand
+    } else {
+      const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      const Src* e = reinterpret_cast<const Src*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kG; ++j) {
+        T parts[kP];
+        split<T, kP>(KvElem<K>::dec(e[j]), parts);
+#pragma unroll
+        for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
+      }
+    }
+  }
+}
+
+// One K/V tile (keys k0.., in shared memory kb / vb) for a warp's 16 rows: S = Q K^T, the mask where
+// `masked` (causal and window per row; keys past the block's last are zeros and masked too), the online
+// softmax update and O += P V.
+template <KvKind K, int D>
+__device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlanes][D / 16][4],
+                                          const typename Tile<K, D>::T* kb, const typename Tile<K, D>::T* vb,
+                                          int k0, const int (&pos)[2], int window, float sc, bool masked,
+                                          float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
+  using G = Tile<K, D>;
+  using T = typename G::T;
+  constexpr int kN = G::kN, kS = G::kStride, kP = G::kPlanes, kKs = D / 16, kNt = kN / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float s[kNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKs; ++kk) {
+      const T* kr = kb + (nt * 8 + g) * kS + kk * 16 + 2 * c;
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr),
+                     b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+      mma<T>(s[nt], qa[0][kk], b0, b1);
+      if constexpr (kP == 2) {
+        const T* kl = kr + kN * kS;
+        mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl),
+               *reinterpret_cast<const uint32_t*>(kl + 8));
+        mma<T>(s[nt], qa[1][kk], b0, b1);
+      }
+    }
+  }
+  // Mask and the new running max per row (the 4 lanes of a quad share a row).
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int h = j >> 1, kp = k0 + nt * 8 + 2 * c + (j & 1);
+      const bool seen = !masked || (kp <= pos[h] && (window <= 0 || kp > pos[h] - window));
+      s[nt][j] = seen ? s[nt][j] * sc : -INFINITY;
+      mx[h] = fmaxf(mx[h], s[nt][j]);
+    }
+  float corr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    // A row that has seen nothing yet keeps max -inf: nothing to rescale, and exp2(-inf) = 0 below.
+    const float base = mx[h] == -INFINITY ? 0.0f : mx[h];
+    corr[h] = exp2f(m[h] - base);
+    m[h] = mx[h];
+    mx[h] = base;
+    l[h] *= corr[h];
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[nt][j] = exp2f(s[nt][j] - mx[j >> 1]);
+      l[j >> 1] += s[nt][j];
+    }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    o[dt][0] *= corr[0], o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1], o[dt][3] *= corr[1];
+  }
+  // O += P V: the S accumulators of key tiles 2j and 2j + 1 are exactly the A fragment of keys 16j..16j+15.
+#pragma unroll
+  for (int j = 0; j < kN / 16; ++j) {
+    uint32_t pa[kP][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float* src = &s[2 * j + (r >> 1)][2 * (r & 1)];
+      T x0[kP], x1[kP];
+      split<T, kP>(src[0], x0);
+      split<T, kP>(src[1], x1);
+#pragma unroll
+      for (int p = 0; p < kP; ++p) pa[p][r] = pack2(x0[p], x1[p]);
+    }
+    // ldmatrix.trans: lanes 8i..8i+7 address rows of matrix i = (keys +8 if i odd, dims +8 if i >= 2).
+    const int key = j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dofs = (lane >> 4) * 8;
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t vf[4];
+      ldmatrix_x4_trans(vf, vb + key * kS + dp * 16 + dofs);
+      mma<T>(o[2 * dp], pa[0], vf[0], vf[1]);
+      mma<T>(o[2 * dp + 1], pa[0], vf[2], vf[3]);
+      if constexpr (kP == 2) {
+        uint32_t vl[4];
+        ldmatrix_x4_trans(vl, vb + kN * kS + key * kS + dp * 16 + dofs);
+        mma<T>(o[2 * dp], pa[0], vl[0], vl[1]);
+        mma<T>(o[2 * dp + 1], pa[0], vl[2], vl[3]);
+        mma<T>(o[2 * dp], pa[1], vf[0], vf[1]);
+        mma<T>(o[2 * dp + 1], pa[1], vf[2], vf[3]);
+      }
+    }
+  }
+}
+
+template <KvKind K, int D>
+__global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
+    flash_attention_kernel(const float* __restrict__ q, const typename KvElem<K>::T* __restrict__ kc,
+                           const typename KvElem<K>::T* __restrict__ vc, DevBatch b,
+                           const int32_t* __restrict__ seq_begin, int n_seqs, int min_new, AttnShape a,
+                           float* __restrict__ out) {
+  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
+  using G = Tile<K, D>;
+  using T = typename G::T;
+  constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
+  constexpr int kTile = G::kElems;
+  __shared__ __align__(16) T ks[G::kBuffers * kTile];
+  __shared__ __align__(16) T vs[G::kBuffers * kTile];
+
+  const int group = a.n_heads / a.n_kv_heads, per_tile = kRows / group, kvh = blockIdx.y;
+  // Which sequence and which of its token tiles this block takes: the last tiles first, since in a
+  // sequence later tokens see more keys (the longest blocks start in the first wave).
+  int64_t tile = gridDim.x - 1 - static_cast<int64_t>(blockIdx.x);
+  int seq = 0;
+  for (; seq < n_seqs; ++seq) {
+    const int n_new = seq_begin[seq + 1] - seq_begin[seq];
+    const int64_t n = n_new >= min_new ? (n_new + per_tile - 1) / per_tile : 0;
+    if (tile < n) break;
+    tile -= n;
+  }
+  if (seq == n_seqs) return;
+  const int t0 = seq_begin[seq] + static_cast<int>(tile) * per_tile;
+  const int n_tok = min(per_tile, seq_begin[seq + 1] - t0);
+  const int32_t* table = b.tables + static_cast<int64_t>(seq) * b.table_stride;
+
+  // The block's key range: from the first token's window start to the last token (positions ascend).
+  const int pos_first = b.positions[t0], pos_last = b.positions[t0 + n_tok - 1];
+  const int lo = a.window > 0 ? max(0, pos_first - a.window + 1) : 0;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // This thread's two rows: warp * 16 + g and + 8.
+  int pos[2], row_tok[2], row_head[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * 16 + g + 8 * h, tk = r / group;
+    const bool valid = tk < n_tok;
+    row_tok[h] = valid ? t0 + tk : -1;
+    row_head[h] = kvh * group + r % group;
+    pos[h] = valid ? b.positions[t0 + tk] : -1;
+  }
+  // The warp's key range, to skip tiles none of its rows sees.
+  int warp_last = max(pos[0], pos[1]);
+  int warp_first = min(pos[0] < 0 ? INT_MAX : pos[0], pos[1] < 0 ? INT_MAX : pos[1]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    warp_last = max(warp_last, __shfl_xor_sync(0xffffffffu, warp_last, o));
+    warp_first = min(warp_first, __shfl_xor_sync(0xffffffffu, warp_first, o));
+  }
+  const int warp_lo = a.window > 0 && warp_last >= 0 ? warp_first - a.window + 1 : 0;
+  // Tiles every row of the warp sees whole need no mask: keys <= warp_first and > warp_last - window.
+  const bool tail_rows = __any_sync(0xffffffffu, pos[0] < 0 || pos[1] < 0);
+
+  // Q fragments (A operand, rows g and g + 8, columns 2c.. and 2c + 8..), in kP planes.
+  uint32_t qa[kP][kKs][4];
+#pragma unroll
+  for (int kk = 0; kk < kKs; ++kk)
+#pragma unroll
+    for (int part = 0; part < 2; ++part)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float2 x = make_float2(0.0f, 0.0f);
+        if (row_tok[h] >= 0)
+          x = *reinterpret_cast<const float2*>(
+              q + (static_cast<int64_t>(row_tok[h]) * a.n_heads + row_head[h]) * D + kk * 16 + part * 8 +
+              2 * c);
+        T x0[kP], x1[kP];
+        split<T, kP>(x.x, x0);
+        split<T, kP>(x.y, x1);
+#pragma unroll
+        for (int p = 0; p < kP; ++p) qa[p][kk][part * 2 + h] = pack2(x0[p], x1[p]);
+      }
+
+  // Online softmax state in base 2: logits scaled by scale * log2(e). A sink is an extra key of value 0:
+  // it starts the running max and contributes 1 (once per row: lane c == 0) to the sum.
+  float m[2], l[2], o[D / 8][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = a.sinks ? a.sinks[row_head[h]] * kLog2e : -INFINITY;
+    l[h] = a.sinks && c == 0 ? 1.0f : 0.0f;
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  const float sc = a.scale * kLog2e;
+
+  if constexpr (G::kAsync) {
+    load_tile<K, D>(kc, table, lo, pos_last, kvh, a.n_kv_heads, ks);
+    load_tile<K, D>(vc, table, lo, pos_last, kvh, a.n_kv_heads, vs);
+    cp_async_commit();
+  }
+  for (int k0 = lo, it = 0; k0 <= pos_last; k0 += kN, ++it) {
+    T* kb = ks + (it % G::kBuffers) * kTile;
+    T* vb = vs + (it % G::kBuffers) * kTile;
+    if constexpr (G::kAsync) {
+      // Start the next tile into the other buffer (consumed one iteration ago), then wait for this one.
+      if (k0 + kN <= pos_last) {
+        load_tile<K, D>(kc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, ks + ((it + 1) & 1) * kTile);
+        load_tile<K, D>(vc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, vs + ((it + 1) & 1) * kTile);
+      }
+      cp_async_commit();
+      cp_async_wait_one();
+    } else {
+      load_tile<K, D>(kc, table, k0, pos_last, kvh, a.n_kv_heads, kb);
+      load_tile<K, D>(vc, table, k0, pos_last, kvh, a.n_kv_heads, vb);
+    }
+    __syncthreads();
+    // Warp-uniform: skip tiles no row of the warp sees; mask only tiles some row sees in part.
+    if (k0 <= warp_last && k0 + kN - 1 >= warp_lo) {
+      const bool masked =
+          tail_rows || k0 + kN - 1 > warp_first || (a.window > 0 && k0 <= warp_last - a.window);
+      tile_step<K, D>(qa, kb, vb, k0, pos, a.window, sc, masked, m, l, o);
+    }
+    __syncthreads();  // this buffer is refilled in the next iteration
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (row_tok[h] < 0) continue;
+    const float inv = 1.0f / l[h];  // > 0: every row sees its own key
+    float* dst = out + (static_cast<int64_t>(row_tok[h]) * a.n_heads + row_head[h]) * D + 2 * c;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+  }
+}
+
+template <KvKind K, int D>
+void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
+                int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+  using E = typename KvElem<K>::T;
+  launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads),
+             Tile<K, D>::kThreads, 0, s, q, static_cast<const E*>(kc), static_cast<const E*>(vc), b,
+             seq_begin, n_seqs, min_new, a, out);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <KvKind K>
+void launch_kind(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
+                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 16:
+      return launch_for<K, 16>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    case 32:
+      return launch_for<K, 32>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    case 64:
+      return launch_for<K, 64>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    case 128:
+      return launch_for<K, 128>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  }
+}
+
+}  // namespace
+
+bool flash_attention_supported(const AttnShape& a) {
+  const bool dim = a.head_dim == 16 || a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128;
+  return dim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 &&
+         a.n_heads / a.n_kv_heads <= 16 * warps_for(a.head_dim);
+}
+
+int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, const AttnShape& a) {
+  const int per_tile = 16 * warps_for(a.head_dim) / (a.n_heads / a.n_kv_heads);
+  int64_t n = 0;
+  for (int32_t t : n_new)
+    if (t >= min_new) n += (t + per_tile - 1) / per_tile;
+  return n;
+}
+
+void launch_flash_attention(KvKind kind, const float* q, const void* kc, const void* vc, const DevBatch& b,
+                            const int32_t* seq_begin, int n_seqs, int min_new, int64_t n_tiles,
+                            const AttnShape& a, float* out, cudaStream_t s) {
+  NB_CHECK(flash_attention_supported(a), "flash attention: head_dim " + std::to_string(a.head_dim) +
+                                             " with " + std::to_string(a.n_heads) + "/" +
+                                             std::to_string(a.n_kv_heads) + " heads is not supported");
+  NB_CHECK(n_tiles >= 1 && n_tiles < (int64_t{1} << 31) && a.n_kv_heads <= 65535, "flash attention: grid");
+  switch (kind) {
+    case KvKind::kF32:
+      return launch_kind<KvKind::kF32>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    case KvKind::kBF16:
+      return launch_kind<KvKind::kBF16>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    case KvKind::kFP8:
+      return launch_kind<KvKind::kFP8>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  }
+}
+
+}  // namespace nb::cuda
