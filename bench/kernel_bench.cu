@@ -4,10 +4,12 @@
 // Each timing replays a CUDA graph of many calls (no host overhead in the number) and rotates over
 // enough weight copies / expert sets that the working set exceeds the L2 cache three times.
 // Usage: nibble_kernel_bench [--quick]
+//   NIBBLE_BENCH_FILTER=text runs only the rows whose "model projection format" contains it (for profilers).
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -69,6 +71,14 @@ void row(const char* model, const char* proj, WeightFormat f, const std::string&
   std::fflush(stdout);
 }
 
+// Whether a row's "model projection format" matches NIBBLE_BENCH_FILTER (unset: every row).
+bool wanted(const char* model, const char* proj, WeightFormat f) {
+  static const char* filter = std::getenv("NIBBLE_BENCH_FILTER");
+  if (!filter) return true;
+  const std::string key = std::string(model) + " " + proj + " " + weight_format_name(f);
+  return key.find(filter) != std::string::npos;
+}
+
 int run(bool quick) {
   auto be = CudaBackend::create({});
   if (!be.ok()) {
@@ -100,6 +110,7 @@ int run(bool quick) {
                             {"lm_head", vocab, d}};
       for (const Proj& p : projs) {
         if (quick && std::strcmp(m.name, "gpt-oss-120b") == 0 && std::strcmp(p.name, "router") != 0) continue;
+        if (!wanted(m.name, p.name, f)) continue;
         std::vector<Weight> copies;
         const Weight first = gpu.random_weight(f, p.n, p.k, 0.02f, seed++, p.name);
         const int64_t bytes = first.bytes();
@@ -112,6 +123,7 @@ int run(bool quick) {
         row(m.name, p.name, f, shape_string({p.n, p.k}), static_cast<double>(bytes), us, bw);
       }
       if (quick && std::strcmp(m.name, "gpt-oss-120b") == 0) continue;
+      if (!wanted(m.name, "expert fc1 x4 (+SwiGLU)", f) && !wanted(m.name, "expert fc2 x4 (+combine)", f)) continue;
       // Experts: all n_experts allocated, 4 selected per call, the selection rotating over the experts.
       MoeExperts ex;
       ex.n_experts = m.n_experts;

@@ -113,7 +113,9 @@ __device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
 
 // All threads of the block: stage m <= kMaxTokens tokens of x (row t at x + t * ld, k floats) into smem;
 // unscale[t] gets 2^14 (the weights' decode factor) * 2^-s_t. `red` is kMaxWarps * kMaxTokens floats of
-// scratch. Two barriers for all tokens (the maxima are reduced together); ends with a barrier.
+// scratch. Two barriers for all tokens (the maxima are reduced together); ends with a barrier. Pass 2
+// reads x again: the same thread read it in pass 1, so it comes from L1, not L2 (keeping it in
+// registers instead measured nothing and spilled next to the weight loads in flight).
 constexpr int kMaxWarps = 16, kMaxTokens = 8;
 __device__ void stage_x(const float* __restrict__ x, int64_t ld, int m, int k, int bs, uint16_t* smem, float* red,
                         float* unscale) {
@@ -278,7 +280,7 @@ __device__ __forceinline__ void load_group(const LaneRows& r, int rel, int grp, 
          (sb + 1 < n_blocks ? static_cast<uint32_t>(__ldg(r.scales[1] + so + 1)) << 8 : 0u);
 }
 
-template <WKind K, int S>
+template <WKind K, int S, int kBatch = 1>
 struct RegPipe {
   LaneRows r;
   GroupData<K> buf[S];
@@ -294,15 +296,24 @@ struct RegPipe {
     for (int i = 0; i < S; ++i)
       if (g0 + i < g1) load_group<K>(r, i, g0 + i, n_blocks, pairs, buf[i]);
   }
+  // Refills go out in batches of kBatch adjacent groups: a row's next kBatch * 64 bytes (MXFP4) leave
+  // together instead of 64 at a time.
   template <int M>
   __device__ __forceinline__ void run(const uint32_t (&bptr)[M], float (&acc)[M][2]) {
+    constexpr int B = kBatch;
+    static_assert(S % B == 0);
     for (int g = g0; g < g1; g += S) {
 #pragma unroll
       for (int i = 0; i < S; ++i) {
         if (g + i >= g1) break;
         compute_group<K, M>(buf[i], bptr, g + i, acc);
-        if (g + i + S < g1) load_group<K>(r, i + S, g + i + S, n_blocks, pairs, buf[i]);
+        if (i % B == B - 1) {
+#pragma unroll
+          for (int j = i - B + 1; j <= i; ++j)
+            if (g + j + S < g1) load_group<K>(r, j + S, g + j + S, n_blocks, pairs, buf[j]);
+        }
       }
+      if (g + S > g1) break;  // (the batch of a partial last round needs no refill)
       advance(r, S, Fp4Fmt<K>::kBs);
     }
   }
@@ -416,6 +427,15 @@ __global__ void __launch_bounds__(kWarps * 32, M <= 2 ? 3 : 2)
   }
 }
 
+// All threads: a DevWeight from global memory into shared memory, then a barrier.
+__device__ __forceinline__ void copy_weight(const DevWeight* src, DevWeight* dst) {
+  static_assert(sizeof(DevWeight) % 4 == 0);
+  constexpr int kWords = sizeof(DevWeight) / 4;
+  if (threadIdx.x < kWords)
+    reinterpret_cast<uint32_t*>(dst)[threadIdx.x] = __ldg(reinterpret_cast<const uint32_t*>(src) + threadIdx.x);
+  __syncthreads();
+}
+
 // ---- MoE fc1 + GLU --------------------------------------------------------------------------------------
 // Grid (blocks over tile sets, pairs). A tile is 8 outputs j: lane (g, t)'s row A is gate(j0 + g) and its
 // row B is up(j0 + g) in either layout, so the GLU happens in the lane that holds both sums.
@@ -435,14 +455,18 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   const int tpb = kWarps / ksplit, part = warp % ksplit;
   const int gpp = (n_groups + ksplit - 1) / ksplit, g0 = min(n_groups, part * gpp), g1 = min(n_groups, g0 + gpp);
   const int n_tiles = (d + 7) / 8, n_sets = (n_tiles + tpb - 1) / tpb;
+  __shared__ DevWeight sw;  // the pair's expert, copied once: its part table is read per tile
   uint32_t bptr[1];
   b_pointers<K, 1>(sx, padded_k(k, F::kBs), 0, bptr);
   pdl_wait();  // x and ids come from the previous kernels on the stream (see launch_pdl)
   for (int p = blockIdx.y; p < n_pairs; p += gridDim.y) {
     const int e = ids[p];
-    const DevWeight& w = tab.fc1[e];
+    __syncthreads();  // the previous pair's readers of sw and of the staged x are done
+    copy_weight(tab.fc1 + e, &sw);
+    const DevWeight& w = sw;
     Pipe pipe;
     int ga = 0, gb = 0;  // this lane's gate and up rows of the current tile
+    float bias_g = 0.0f, bias_u = 0.0f;
     auto start_tile = [&](int set) -> bool {
       const int tile = set * tpb + warp / ksplit, j = min(tile * 8 + g, d - 1);
       ga = interleaved ? 2 * j : j, gb = interleaved ? 2 * j + 1 : d + j;
@@ -451,10 +475,13 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
       const DevPart& pa = find_part(w, ra);
       const DevPart& pb = find_part(w, rb);
       pipe.start(lane_rows<K>(pa, ra, pb, rb, k), g0, g1, n_blocks);
+      if (tab.fc1_bias && part == 0 && t == 0) {  // needed at the end; loaded now, off the critical path
+        bias_g = __ldg(tab.fc1_bias + static_cast<int64_t>(e) * 2 * d + ga);
+        bias_u = __ldg(tab.fc1_bias + static_cast<int64_t>(e) * 2 * d + gb);
+      }
       return true;
     };
     bool live = blockIdx.x < n_sets && start_tile(blockIdx.x);
-    __syncthreads();  // the previous pair's readers of the staged x are done
     stage_x(x + static_cast<int64_t>(p / top_k) * k, k, 1, k, F::kBs, sx, scratch, unscale);
     for (int set = blockIdx.x; set < n_sets; set += gridDim.x) {
       if (set != blockIdx.x) live = start_tile(set);
@@ -473,11 +500,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
         __syncthreads();
       }
       if (part == 0 && t == 0 && tile < n_tiles && j < d) {
-        gate *= unscale[0], up *= unscale[0];
-        if (tab.fc1_bias) {
-          gate += tab.fc1_bias[static_cast<int64_t>(e) * 2 * d + ga];
-          up += tab.fc1_bias[static_cast<int64_t>(e) * 2 * d + gb];
-        }
+        gate = gate * unscale[0] + bias_g, up = up * unscale[0] + bias_u;
         float a;
         if (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) {
           gate = fminf(gate, limit);
@@ -512,6 +535,7 @@ __global__ void __launch_bounds__(kFc2Warps * 32, 2)
   const int c = warp / ksplit, part = warp % ksplit;  // this warp's choice within the round, its k part
   const int gpp = (n_groups + ksplit - 1) / ksplit, g0 = min(n_groups, part * gpp), g1 = min(n_groups, g0 + gpp);
   const int n_tiles = (n + 15) / 16, kp = padded_k(k, F::kBs);
+  __shared__ DevWeight sw[kMaxTokens];  // the round's experts, copied once: their part tables are read per tile
   uint16_t* sx = reinterpret_cast<uint16_t*>(smem_x);
   uint32_t bptr[1];
   b_pointers<K, 1>(sx, kp, c, bptr);
@@ -519,8 +543,9 @@ __global__ void __launch_bounds__(kFc2Warps * 32, 2)
   for (int tok = blockIdx.y; tok < n_tokens; tok += gridDim.y) {
     for (int r0 = 0; r0 < top_k; r0 += per_round) {
       const int in_round = min(per_round, top_k - r0);
-      const int pc = tok * top_k + r0 + c;  // this warp's (token, choice) pair
-      const DevWeight* w = c < in_round ? &tab.fc2[ids[pc]] : nullptr;
+      __syncthreads();  // the previous round's readers of sw and of the staged x are done
+      for (int i = 0; i < in_round; ++i) copy_weight(tab.fc2 + ids[tok * top_k + r0 + i], &sw[i]);
+      const DevWeight* w = c < in_round ? &sw[c] : nullptr;
       Pipe pipe;
       auto start_tile = [&](int tile) -> bool {
         if (!w || tile >= n_tiles) return false;
@@ -531,7 +556,6 @@ __global__ void __launch_bounds__(kFc2Warps * 32, 2)
         return true;
       };
       bool live = start_tile(blockIdx.x);
-      __syncthreads();  // the previous round's readers are done
       stage_x(act + (static_cast<int64_t>(tok) * top_k + r0) * k, k, in_round, k, F::kBs, sx, scratch, unscale);
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
         if (tile != blockIdx.x) live = start_tile(tile);
@@ -609,7 +633,10 @@ int choose_ksplit(int64_t units, int n_groups, int resident_warps, int max_split
 // fc2: 64) hold without spilling in the main loop.
 template <WKind K, int M = 1>
 struct Pipes {
-  using Linear = RegPipe<K, M == 1 ? 4 : M == 2 ? 3 : 2>;  // more tokens: their accumulators take registers
+  // More tokens: their accumulators take the registers. One token: refills in pairs (measured +4 / +8
+  // points on the MXFP4 / NVFP4 lm_head against single refills, bench/NOTES.md).
+  using Linear = RegPipe<K, M == 1 ? 4 : M == 2 ? 3 : 2, M == 1 ? 2 : 1>;
+  using Fc1 = RegPipe<K, 3>;  // the GLU epilogue's registers
   using Fc2 = RegPipe<K, 2>;
 };
 
@@ -699,7 +726,7 @@ bool moe_fc2_for(const ExpertTable& t, const int32_t* ids, const float* weights,
 template <WKind K>
 bool moe_fc1_kind(const ExpertTable& t, const int32_t* ids, int n_pairs, int top_k, const float* x, Glu glu,
                   float limit, float* act, cudaStream_t s) {
-  return moe_fc1_for<K, typename Pipes<K>::Linear>(t, ids, n_pairs, top_k, x, glu, limit, act, s);
+  return moe_fc1_for<K, typename Pipes<K>::Fc1>(t, ids, n_pairs, top_k, x, glu, limit, act, s);
 }
 template <WKind K>
 bool moe_fc2_kind(const ExpertTable& t, const int32_t* ids, const float* weights, int n_tokens, int top_k,
