@@ -240,9 +240,9 @@ __device__ __forceinline__ void compute_group(const GroupData<K>& d, const uint3
 // A lane's next groups in flight: codes and scales in a register ring S groups deep. start(...) issues
 // the first S groups of [g0, g1) and needs only the weights, not the activations, so kernels call it
 // before waiting for the previous kernel and staging x (the weight latency overlaps both); run(...)
-// consumes group g from stage (g - g0) % S and refills that stage with group g + S. (A cp.async ring in
-// shared memory, 4-6 groups deep, measured slower: ~30 more instructions per group, no occupancy gained;
-// bench/NOTES.md.)
+// consumes group g from stage (g - g0) % S and refills that stage with group g + S. (Measured slower and
+// dropped, bench/NOTES.md: a cp.async ring in shared memory 4-6 groups deep, ~30 more instructions per
+// group and no occupancy gained; an L2 prefetch S groups beyond the ring.)
 // A group's loads into registers. Whole groups (all but maybe the last) load unpredicated at immediate
 // offsets from the running pointers; in a partial last group, blocks past k read as zero codes and scales.
 // A lane's two scale bytes per row are adjacent: one 16-bit load when every lane's are 2-byte aligned
@@ -309,8 +309,9 @@ struct RegPipe {
         compute_group<K, M>(buf[i], bptr, g + i, acc);
         if (i % B == B - 1) {
 #pragma unroll
-          for (int j = i - B + 1; j <= i; ++j)
+          for (int j = i - B + 1; j <= i; ++j) {
             if (g + j + S < g1) load_group<K>(r, j + S, g + j + S, n_blocks, pairs, buf[j]);
+          }
         }
       }
       if (g + S > g1) break;  // (the batch of a partial last round needs no refill)
