@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_fp4_kernel(const __grid_cons
   if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
   const int my_row = n0 + (tid >> 1);
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
-  float acc[gemm::Tile<BM, kSplit>::kMT][4][4] = {};
+  typename gemm::Tile<BM, kSplit>::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(m0) * k;
   gemm::mainloop<K, BM, kSplit>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
   gemm::epilogue<BM, kSplit>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {

@@ -3,10 +3,13 @@
 // as the checkpoint stores it (codes [n, k/2], scales [n, k/blk]; no repacking). Portable sm_80-era
 // instructions only (cp.async, ldmatrix, mma.sync m16n8k16), so GB10 runs the same code as the H200.
 //
-// Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") and the 128 rows' codes into a ring
-// of stages; the block then decodes the codes once into an fp16 tile in shared memory (so the 2 warps that
-// share a weight column do not decode it twice) and the 8 warps (2 along M x 4 along N, 32 columns each)
-// run the MMAs from ldmatrix fragments.
+// Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") into a ring of stages; this thread's
+// 16 bytes of the 128 rows' codes and their block scales come one step ahead into registers (plain loads);
+// the block decodes the codes once into one of two fp16 weight tiles in shared memory (so the warps that
+// share a weight column do not decode it twice) and the 8 warps (4 along M x 2 along N, warp tile
+// BM/4 x 64) run the MMAs from ldmatrix fragments. Step k+1 is decoded into the other weight tile in four
+// quarters, one after each k16 slice of step k's MMAs, so the ALU work issues while the tensor pipe is
+// busy, and one barrier per step suffices.
 // Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
 // (exact), times the block factor as an fp16, folded into the weight:
 //   MXFP4: 2^e (E8M0) is exact in fp16 for e in [-24, 15]; e2m1 * 2^e is exact for e in [-23, 13], i.e. any
@@ -28,19 +31,32 @@ namespace nb::cuda::gemm {
 constexpr int kBN = 128;  // weight rows (output columns) per block
 constexpr int kBK = 64;   // k per pipeline stage
 constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kWarpsM = 4, kWarpsN = 2;  // warp grid: 32 x 64 warp tiles read 20 % fewer shared bytes per
+                                         // MMA in hi + lo than 64 x 32 (bench/NOTES.md)
+static_assert(kWarpsM * kWarpsN == kWarps);
+
+// Per output column of the tile: the weight row it reads (-1: none) and the NVFP4 global scale.
+struct ColInfo {
+  int row[kBN];
+  float global[kBN];
+  bool divide[kBN];
+};
 
 template <int BM, bool kSplit>
 struct Tile {
-  static_assert(BM == 64 || BM == 128, "two warps along M, whole m16 tiles each");
-  // Two stages with the fp16 remainder keep the tile under GB10's 99 KiB of shared memory per block.
-  static constexpr int kStages = kSplit ? 2 : 3;
-  static constexpr int kMT = BM / 32;               // m16 tiles per warp
+  static_assert(BM == 64 || BM == 128, "four warps along M, whole m16 tiles each");
+  static constexpr int kMT = BM / (16 * kWarpsM);   // m16 tiles per warp
+  static constexpr int kNT = kBN / (8 * kWarpsN);   // n8 tiles per warp
   static constexpr int kABytes = BM * kBK * 2;      // one fp16 A tile
-  static constexpr int kCodeBytes = kBN * kBK / 2;  // the rows' E2M1 codes
-  static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1) + kCodeBytes;
-  static constexpr int kBBytes = kBN * kBK * 2;  // the decoded fp16 weight tile
-  static constexpr int kSmem = kStages * kStageBytes + kBBytes;
-  static_assert(kSmem <= 99 * 1024, "GB10 (sm_121) allows 99 KiB of shared memory per block");
+  static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1);
+  static constexpr int kBBytes = kBN * kBK * 2;  // one decoded fp16 weight tile (two of them)
+  // GB10 (sm_121) allows 99 KiB of shared memory per block, ColInfo included: as many A stages as fit, up
+  // to 4 (hi + lo at BM = 128: 2).
+  static constexpr int kBudget = 99 * 1024 - static_cast<int>(sizeof(ColInfo)) - 2 * kBBytes;
+  static constexpr int kStages = kBudget / kStageBytes < 4 ? kBudget / kStageBytes : 4;
+  static_assert(kStages >= 2, "the A ring needs two stages");
+  static constexpr int kSmem = kStages * kStageBytes + 2 * kBBytes;
+  using Acc = float[kMT][kNT][4];  // mma C fragments: [m16 tile][n8 tile][4]
 };
 
 // 16-byte chunk `chunk` (0..7) of 128-byte row `row`, XOR-swizzled so that ldmatrix (8 rows, one chunk) and
@@ -99,13 +115,6 @@ struct BRow {
   const uint8_t* scales = nullptr;  // [k/32] E8M0 or [k/16] UE4M3
 };
 
-// Per output column of the tile: the weight row it reads (-1: none) and the NVFP4 global scale.
-struct ColInfo {
-  int row[kBN];
-  float global[kBN];
-  bool divide[kBN];
-};
-
 __device__ __forceinline__ void set_col(ColInfo& ci, int c, const DevWeight& w, int row) {
   ci.row[c] = row;
   ci.global[c] = 1.0f;
@@ -131,20 +140,18 @@ __device__ __forceinline__ BRow brow_of(const DevWeight& w, int row, int k, int 
 // a_hi / a_lo: the tile's first A row, row stride k (fp16, permuted k order); rows >= a_rows read as zero.
 template <WKind K, int BM, bool kSplit>
 __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
-                                         int a_rows, int k, const BRow& br, float (&acc)[Tile<BM, kSplit>::kMT][4][4]) {
+                                         int a_rows, int k, const BRow& br, typename Tile<BM, kSplit>::Acc& acc) {
   using T = Tile<BM, kSplit>;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int warp_m = warp >> 2, warp_n = warp & 3;
-  uint4* bs = reinterpret_cast<uint4*>(smem + S * T::kStageBytes);  // decoded weights [128][64] fp16
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
   auto stage_a = [&](int s, int lo) { return reinterpret_cast<uint4*>(smem + s * T::kStageBytes + lo * T::kABytes); };
-  auto stage_codes = [&](int s) {
-    return reinterpret_cast<uint4*>(smem + s * T::kStageBytes + (kSplit ? 2 : 1) * T::kABytes);
-  };
+  // Decoded weights [128][64] fp16, buffer kt % 2 for k-tile kt.
+  auto tile_b = [&](int kt) { return reinterpret_cast<uint4*>(smem + S * T::kStageBytes + (kt & 1) * T::kBBytes); };
   const int n_kt = (k + kBK - 1) / kBK;
   const int my_row = tid >> 1, my_half = tid & 1;
 
-  auto load = [&](int kt, int s) {
+  auto load_a = [&](int kt, int s) {
     const int k0 = kt * kBK;
     for (int c = tid; c < BM * 8; c += kThreads) {
       const int r = c >> 3, ch = c & 7, kk = k0 + ch * 8;
@@ -153,15 +160,15 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
       cp_async16(stage_a(s, 0) + swz(r, ch), a_hi + off, ok);
       if constexpr (kSplit) cp_async16(stage_a(s, 1) + swz(r, ch), a_lo + off, ok);
     }
-    const int kk = k0 + 32 * my_half;
-    const bool ok = br.codes && kk < k;
-    cp_async16(stage_codes(s) + tid, ok ? br.codes + kk / 2 : reinterpret_cast<const uint8_t*>(a_hi), ok);
   };
-  // The block factors of k-tile kt for this thread's 32 codes, as fp16x2 (NVFP4: words 0-1 and 2-3).
-  auto factors = [&](int kt, uint32_t (&f)[2]) {
+  // This thread's 32 codes of k-tile kt (tile row my_row, k half my_half) and their block factors as fp16x2
+  // (NVFP4: words 0-1 and 2-3); zeros past k or the weight, so decoding them writes zeros.
+  auto fetch = [&](int kt, uint4& c, uint32_t (&f)[2]) {
     const int kk = kt * kBK + 32 * my_half;
+    c = make_uint4(0, 0, 0, 0);
     f[0] = f[1] = 0;
     if (!br.codes || kk >= k) return;
+    c = __ldg(reinterpret_cast<const uint4*>(br.codes + kk / 2));
     if constexpr (K == WKind::kMXFP4) {
       const uint32_t h = e8m0_half_bits(__ldg(br.scales + kk / 32));
       f[0] = f[1] = h | (h << 16);
@@ -172,64 +179,70 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
       f[1] = h1 | (h1 << 16);
     }
   };
+  // Quarter q (codes word q: 8 codes) of the decode into one 16-byte chunk of weight tile b.
+  auto decode = [&](const uint4& c, const uint32_t (&f)[2], int q, uint4* b) {
+    const uint32_t word = q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w;
+    uint32_t h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t s = word >> (4 * i);
+      const uint32_t e = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);  // e2m1 * 2^-14
+      h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);                          // * 2^14 * factor
+    }
+    b[swz(my_row, 4 * my_half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
+  };
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < n_kt) load(s, s);
+    if (s < n_kt) load_a(s, s);
     cp_async_commit();
   }
+  uint4 c;
   uint32_t f[2];
-  factors(0, f);
+  fetch(0, c, f);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) decode(c, f, q, tile_b(0));
+  fetch(1, c, f);
   for (int kt = 0; kt < n_kt; ++kt) {
     cp_async_wait<S - 2>();
-    __syncthreads();  // stage kt landed for every thread; every warp is done with the previous tile
-    if (kt + S - 1 < n_kt) load(kt + S - 1, (kt + S - 1) % S);
+    // A stage kt landed for every thread and weight tile kt is decoded; every warp is done with step kt - 1,
+    // so its A stage and its weight buffer (the one tile kt + 1 goes to) are free.
+    __syncthreads();
+    if (kt + S - 1 < n_kt) load_a(kt + S - 1, (kt + S - 1) % S);
     cp_async_commit();
-    // Decode this thread's 32 codes (one 16-byte chunk) into 4 fp16 chunks of the weight tile.
-    {
-      const uint4 c = stage_codes(kt % S)[tid];
-      const uint32_t words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint32_t h[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t s = words[q] >> (4 * i);
-          const uint32_t e = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);  // e2m1 * 2^-14
-          h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);                          // * 2^14 * factor
-        }
-        bs[swz(my_row, 4 * my_half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
-      }
-    }
-    if (kt + 1 < n_kt) factors(kt + 1, f);
-    __syncthreads();  // the weight tile is complete
+    const uint4 cn = c;  // codes and factors of tile kt + 1 (zeros past the end: decoded into a free buffer)
+    const uint32_t fn[2] = {f[0], f[1]};
+    fetch(kt + 2, c, f);
+    const uint4* bs = tile_b(kt);
+    uint4* bn = tile_b(kt + 1);
     const uint4* sa = stage_a(kt % S, 0);
     const uint4* sl = stage_a(kt % S, 1);
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
-      uint32_t b[4][2];
+      uint32_t b[T::kNT][2];
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int j = lane >> 3, r = warp_n * 32 + p * 16 + (j >> 1) * 8 + (lane & 7);
+      for (int p = 0; p < T::kNT / 2; ++p) {
+        const int j = lane >> 3, r = warp_n * (kBN / kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
         uint32_t v[4];
         ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
         b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
       }
 #pragma unroll
       for (int mt = 0; mt < T::kMT; ++mt) {
-        const int row0 = warp_m * (BM / 2) + mt * 16;
+        const int row0 = warp_m * (BM / kWarpsM) + mt * 16;
         if (row0 >= a_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
         const int j = lane >> 3, r = row0 + (j & 1) * 8 + (lane & 7);
         uint32_t a[4];
         ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
         if constexpr (kSplit) {
           ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
         }
       }
+      decode(cn, fn, ks, bn);  // a quarter of tile kt + 1 while this slice's MMAs run
     }
   }
   cp_async_wait<0>();
@@ -239,20 +252,21 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
 // accumulators in rows < a_rows, with v = acc * unscale[row] * the column's global scale. `out` checks
 // the columns (ci.row[col] < 0: past the weight).
 template <int BM, bool kSplit, class Out>
-__device__ __forceinline__ void epilogue(const float (&acc)[Tile<BM, kSplit>::kMT][4][4], const ColInfo& ci,
+__device__ __forceinline__ void epilogue(const typename Tile<BM, kSplit>::Acc& acc, const ColInfo& ci,
                                          const float* __restrict__ unscale, int a_rows, Out&& out) {
+  using T = Tile<BM, kSplit>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int warp_m = warp >> 2, warp_n = warp & 3;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
 #pragma unroll
-  for (int mt = 0; mt < Tile<BM, kSplit>::kMT; ++mt) {
+  for (int mt = 0; mt < T::kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = warp_m * (BM / 2) + mt * 16 + g + 8 * half;
+      const int row = warp_m * (BM / kWarpsM) + mt * 16 + g + 8 * half;
       if (row >= a_rows) continue;
       const float u = unscale[row];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = warp_n * 32 + nt * 8 + 2 * t;
+      for (int nt = 0; nt < T::kNT; ++nt) {
+        const int col = warp_n * (kBN / kWarpsN) + nt * 8 + 2 * t;
         float v[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

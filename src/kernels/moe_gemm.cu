@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 2) fc1_kernel(ExpertTable tab, const
   };
   if (tid < kBN) gemm::set_col(ci, tid, w, row_of(tid));
   const gemm::BRow br = gemm::brow_of(w, row_of(tid >> 1), w.k, K == WKind::kMXFP4 ? 32 : 16);
-  float acc[gemm::Tile<kBM, kSplit>::kMT][4][4] = {};
+  typename gemm::Tile<kBM, kSplit>::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
   gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 2) fc2_kernel(ExpertTable tab, const
   if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
   const int my_row = n0 + (tid >> 1);
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
-  float acc[gemm::Tile<kBM, kSplit>::kMT][4][4] = {};
+  typename gemm::Tile<kBM, kSplit>::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
   gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
