@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
 }
 
 template <WKind K, int BM, bool kSplit>
-__global__ void __launch_bounds__(kThreads, 2) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
+__global__ void __launch_bounds__(kThreads, gemm::Tile<BM, kSplit>::kLaunchMinBlocks) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
                                                               const __half* __restrict__ hi,
                                                               const __half* __restrict__ lo,
                                                               const float* __restrict__ unscale, int m,

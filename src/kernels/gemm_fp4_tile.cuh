@@ -6,8 +6,8 @@
 // Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") into a ring of stages; this thread's
 // 16 bytes of the 128 rows' codes and their block scales come one step ahead into registers (plain loads);
 // the block decodes the codes once into one of two fp16 weight tiles in shared memory (so the warps that
-// share a weight column do not decode it twice) and the 8 warps (4 along M x 2 along N, warp tile
-// BM/4 x 64) run the MMAs from ldmatrix fragments. Step k+1 is decoded into the other weight tile in four
+// share a weight column do not decode it twice) and the 8 warps (BM/32 along M, warp tiles of 32 rows:
+// 4 x 2 of 32 x 64 at BM = 128, 2 x 4 of 32 x 32 at BM = 64) run the MMAs from ldmatrix fragments. Step k+1 is decoded into the other weight tile in four
 // quarters, one after each k16 slice of step k's MMAs, so the ALU work issues while the tensor pipe is
 // busy, and one barrier per step suffices.
 // Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
@@ -31,9 +31,6 @@ namespace nb::cuda::gemm {
 constexpr int kBN = 128;  // weight rows (output columns) per block
 constexpr int kBK = 64;   // k per pipeline stage
 constexpr int kWarps = 8, kThreads = kWarps * 32;
-constexpr int kWarpsM = 4, kWarpsN = 2;  // warp grid: 32 x 64 warp tiles read 20 % fewer shared bytes per
-                                         // MMA in hi + lo than 64 x 32 (bench/NOTES.md)
-static_assert(kWarpsM * kWarpsN == kWarps);
 
 // Per output column of the tile: the weight row it reads (-1: none) and the NVFP4 global scale.
 struct ColInfo {
@@ -44,19 +41,33 @@ struct ColInfo {
 
 template <int BM, bool kSplit>
 struct Tile {
-  static_assert(BM == 64 || BM == 128, "four warps along M, whole m16 tiles each");
-  static constexpr int kMT = BM / (16 * kWarpsM);   // m16 tiles per warp
+  static_assert(BM == 64 || BM == 128, "32-row warp tiles");
+  // Warp grid: 32-row warp tiles. At BM = 128, 4 x 2 (32 x 64 warp tiles read 20 % fewer shared bytes per MMA
+  // in hi + lo than 64 x 32); at BM = 64, 2 x 4, so that a small expert's rows still spread over 4 warps
+  // and the registers stay low enough for 3 blocks per SM (bench/NOTES.md).
+  static constexpr int kWarpsM = BM / 32, kWarpsN = kWarps / kWarpsM;
+  static constexpr int kMT = 2;                     // m16 tiles per warp
   static constexpr int kNT = kBN / (8 * kWarpsN);   // n8 tiles per warp
+  // Blocks per SM asked of __launch_bounds__ (and shared memory sized for them on the H200's 228 KiB):
+  // BM = 64 grids (M = 512, every MoE tile) are many small blocks whose latency more blocks hide.
+  static constexpr int kMinBlocks = BM == 64 ? 3 : 2;
   static constexpr int kABytes = BM * kBK * 2;      // one fp16 A tile
   static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1);
   static constexpr int kBBytes = kBN * kBK * 2;  // one decoded fp16 weight tile (two of them)
-  // GB10 (sm_121) allows 99 KiB of shared memory per block, ColInfo included: as many A stages as fit, up
-  // to 4 (hi + lo at BM = 128: 2).
-  static constexpr int kBudget = 99 * 1024 - static_cast<int>(sizeof(ColInfo)) - 2 * kBBytes;
+  // GB10 (sm_121) allows 99 KiB of shared memory per block, ColInfo included, and 3 blocks of an H200 SM
+  // 75 KiB each: as many A stages as fit, up to 4 (hi + lo: 2).
+  static constexpr int kBudget = (kMinBlocks == 3 ? 75 : 99) * 1024 - static_cast<int>(sizeof(ColInfo)) - 2 * kBBytes;
   static constexpr int kStages = kBudget / kStageBytes < 4 ? kBudget / kStageBytes : 4;
   static_assert(kStages >= 2, "the A ring needs two stages");
   static constexpr int kSmem = kStages * kStageBytes + 2 * kBBytes;
   using Acc = float[kMT][kNT][4];  // mma C fragments: [m16 tile][n8 tile][4]
+  // What __launch_bounds__ asks for: kMinBlocks where the SM's shared memory holds them (sm_90: 228 KiB);
+  // sm_12x (GB10: ~100 KiB per SM) holds one block of either size, so its registers are not squeezed.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  static constexpr int kLaunchMinBlocks = 2;
+#else
+  static constexpr int kLaunchMinBlocks = kMinBlocks;
+#endif
 };
 
 // 16-byte chunk `chunk` (0..7) of 128-byte row `row`, XOR-swizzled so that ldmatrix (8 rows, one chunk) and
@@ -144,7 +155,7 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
   using T = Tile<BM, kSplit>;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
   auto stage_a = [&](int s, int lo) { return reinterpret_cast<uint4*>(smem + s * T::kStageBytes + lo * T::kABytes); };
   // Decoded weights [128][64] fp16, buffer kt % 2 for k-tile kt.
   auto tile_b = [&](int kt) { return reinterpret_cast<uint4*>(smem + S * T::kStageBytes + (kt & 1) * T::kBBytes); };
@@ -222,14 +233,14 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
       uint32_t b[T::kNT][2];
 #pragma unroll
       for (int p = 0; p < T::kNT / 2; ++p) {
-        const int j = lane >> 3, r = warp_n * (kBN / kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
+        const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
         uint32_t v[4];
         ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
         b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
       }
 #pragma unroll
       for (int mt = 0; mt < T::kMT; ++mt) {
-        const int row0 = warp_m * (BM / kWarpsM) + mt * 16;
+        const int row0 = warp_m * 32 + mt * 16;
         if (row0 >= a_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
         const int j = lane >> 3, r = row0 + (j & 1) * 8 + (lane & 7);
         uint32_t a[4];
@@ -256,17 +267,17 @@ __device__ __forceinline__ void epilogue(const typename Tile<BM, kSplit>::Acc& a
                                          const float* __restrict__ unscale, int a_rows, Out&& out) {
   using T = Tile<BM, kSplit>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
 #pragma unroll
   for (int mt = 0; mt < T::kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = warp_m * (BM / kWarpsM) + mt * 16 + g + 8 * half;
+      const int row = warp_m * 32 + mt * 16 + g + 8 * half;
       if (row >= a_rows) continue;
       const float u = unscale[row];
 #pragma unroll
       for (int nt = 0; nt < T::kNT; ++nt) {
-        const int col = warp_n * (kBN / kWarpsN) + nt * 8 + 2 * t;
+        const int col = warp_n * (kBN / T::kWarpsN) + nt * 8 + 2 * t;
         float v[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -65,7 +65,7 @@ __device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tile
 // FC1 + bias + GLU: block x covers outputs j in [64 x, 64 x + 64); its 128 weight rows are gate/up pairs
 // (tile column 2i = gate of j0 + i, 2i + 1 = up), whichever layout the checkpoint uses.
 template <WKind K, bool kSplit>
-__global__ void __launch_bounds__(kThreads, 2) fc1_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+__global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinBlocks) fc1_kernel(ExpertTable tab, const int2* __restrict__ tiles,
                                                          const int32_t* __restrict__ n_tiles,
                                                          const int32_t* __restrict__ offsets, GemmActivations a,
                                                          Glu glu, float limit, float* __restrict__ act) {
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 2) fc1_kernel(ExpertTable tab, const
 
 // FC2 + bias, times the pair's routing weight, into the pair's slot row.
 template <WKind K, bool kSplit>
-__global__ void __launch_bounds__(kThreads, 2) fc2_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+__global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinBlocks) fc2_kernel(ExpertTable tab, const int2* __restrict__ tiles,
                                                          const int32_t* __restrict__ n_tiles,
                                                          const int32_t* __restrict__ offsets,
                                                          const int32_t* __restrict__ pair_of,
