@@ -58,9 +58,14 @@ if [ -x "$B"/src/nibble_kernel_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; th
   result[kernel_bench]="rc=$? $(( $(date +%s) - t0 ))s"
   cat "$OUT/kernel_bench.md"
   t0=$(date +%s)
-  timeout 240 "$B"/src/nibble_e2e_bench configs/gpt-oss-20b configs/gpt-oss-120b >"$OUT/e2e_bench.md" 2>&1
+  timeout 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b >"$OUT/e2e_bench.md" 2>&1
   result[e2e_bench]="rc=$? $(( $(date +%s) - t0 ))s"
   cat "$OUT/e2e_bench.md"
+  t0=$(date +%s)
+  timeout 240 "$B"/src/nibble_e2e_bench --no-tg --pp 512,2048,8192 --max-seconds 20 configs/gpt-oss-20b \
+    configs/gpt-oss-120b >"$OUT/e2e_pp_bench.md" 2>&1
+  result[e2e_pp_bench]="rc=$? $(( $(date +%s) - t0 ))s"
+  cat "$OUT/e2e_pp_bench.md"
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
 fi
 # Prefill GEMMs: FP4 tensor-core GEMMs and the grouped MoE vs cuBLASLt BF16 (bench/gemm_bench.cu).
@@ -69,6 +74,13 @@ if [ -x "$B"/src/nibble_gemm_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   timeout 300 "$B"/src/nibble_gemm_bench >"$OUT/gemm_bench.md" 2>&1
   result[gemm_bench]="rc=$? $(( $(date +%s) - t0 ))s"
   cat "$OUT/gemm_bench.md"
+fi
+# Prefill attention (bench/attention_bench.cu).
+if [ -x "$B"/src/nibble_attention_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
+  t0=$(date +%s)
+  timeout 200 "$B"/src/nibble_attention_bench >"$OUT/attention_bench.md" 2>&1
+  result[attention_bench]="rc=$? $(( $(date +%s) - t0 ))s"
+  cat "$OUT/attention_bench.md"
 fi
 
 echo
