@@ -219,6 +219,34 @@ TEST_F(CudaOps, LinearEveryFormat) {
   }
 }
 
+// BF16 weights at prefill sizes go through cuBLASLt with bf16 hi + lo activations (kernels/gemm_dense.cu):
+// several parts (fused QKV), bias, m not a multiple of anything; a weight whose parts break 16-byte
+// alignment of y (n = 70, part rows 35) takes the GEMV path and must agree too.
+TEST_F(CudaOps, LinearBf16PrefillGemm) {
+  struct Case {
+    int64_t n, k;
+    int parts;
+  };
+  for (const Case& c : {Case{96, 256, 3}, Case{512, 2880, 1}, Case{70, 128, 2}}) {
+    const Weight w = make_weight(hb_, WeightFormat::kBF16, c.n, c.k, c.parts, DType::kBF16);
+    upload(w);
+    const std::vector<float> bias = randn(c.n);
+    for (int64_t m : {33, 130}) {
+      const std::vector<float> x = randn(m * c.k, 3.0f);
+      Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
+      for (bool with_bias : {false, true}) {
+        const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {m, c.k}), w, with_bias ? &cb : nullptr));
+        const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {m, c.k}), w, with_bias ? &gb : nullptr));
+        std::vector<float> tol = linear_tol(x, w, m);  // fp32 sums; the hi + lo split adds ~2^-17 relative
+        for (float& t : tol) t = 2 * t + 1e-5f;
+        expect_close(want, got, tol,
+                     "bf16 prefill n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " parts " +
+                         std::to_string(c.parts) + " m " + std::to_string(m) + (with_bias ? " bias" : ""));
+      }
+    }
+  }
+}
+
 // Route every FP4 weight the tensor-core kernels can take through them (the default, unless the
 // environment turned them off), before the first launch reads the switch.
 const bool kForceFp4Mma = setenv("NIBBLE_FP4_MMA", "1", 1) == 0;

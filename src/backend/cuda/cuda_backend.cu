@@ -15,6 +15,7 @@
 #include "base/log.h"
 #include "kernels/attention.cuh"
 #include "kernels/flash_attention.cuh"
+#include "kernels/gemm_dense.cuh"
 #include "kernels/gemm_fp4.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
@@ -150,6 +151,7 @@ struct CudaBackend::Impl {
   const int32_t* d_seq_begin = nullptr;  // [n_seqs + 1] token ranges, for prefill attention
   std::vector<int32_t> h_logit_rows;
   std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
+  std::unique_ptr<cuda::DenseGemm> dense_gemm;  // cuBLASLt, made at the first BF16 prefill GEMM
 
   ~Impl() {
     if (stream) cudaStreamSynchronize(stream);
@@ -500,6 +502,12 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     const cuda::GemmActivations a = cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode);
     cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
     cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
+    return out;
+  }
+  if (m >= min_m && cuda::DenseGemm::supports(dw)) {  // BF16 prefill: cuBLASLt, bf16 hi + lo activations
+    if (!impl_->dense_gemm) impl_->dense_gemm = std::make_unique<cuda::DenseGemm>();
+    Tensor scratch = alloc(DType::kU8, {cuda::DenseGemm::scratch_bytes(m, w.k)});
+    impl_->dense_gemm->run(dw, x.data<float>(), m, b, out.data<float>(), scratch.data<uint8_t>(), impl_->stream);
     return out;
   }
   cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->stream);
