@@ -54,8 +54,8 @@ int cmd_run(const RunArgs& args) {
     return 2;
   }
   const bool need_tokenizer = args.prompt_tokens.empty() || !args.print_tokens;
-  auto session = open_model_session(args.model, args.device, args.threads, need_tokenizer, "keep", "auto",
-                                    args.dummy_weights);
+  auto session = open_model_session(args.model, args.device, args.threads, need_tokenizer, args.dense_format,
+                                    args.kv_cache_dtype, args.dummy_weights);
   if (!session.ok()) {
     std::fprintf(stderr, "nibble: error: %s\n", session.status().message().c_str());
     return 1;

@@ -60,16 +60,10 @@ int cmd_serve(const ServeArgs& args) {
   signal(SIGPIPE, SIG_IGN);
 
   auto session = open_model_session(args.model, args.device, args.threads, /*need_tokenizer=*/true,
-                                    "keep", "auto", args.dummy_weights);
+                                    args.dense_format, args.kv_cache_dtype, args.dummy_weights);
   if (!session.ok()) return fail(session.status().message());
   ModelSession& s = session.value();
   const ModelConfig& cfg = s.model->config();
-  if (args.kv_cache_dtype != "auto" || args.dense_format != "keep") {
-    std::fprintf(stderr,
-                 "nibble serve: the CPU backend keeps the KV cache and dense weights in fp32; "
-                 "--kv-cache-dtype %s and --dense-format %s are ignored\n",
-                 args.kv_cache_dtype.c_str(), args.dense_format.c_str());
-  }
 
   ServeContext ctx;
   ctx.config = &cfg;
@@ -106,8 +100,7 @@ int cmd_serve(const ServeArgs& args) {
       args.max_num_batched_tokens > 0 ? args.max_num_batched_tokens : std::max(2048, args.max_num_seqs);
   if (ec.scheduler.max_num_batched_tokens < ec.scheduler.max_num_seqs)
     return fail("--max-num-batched-tokens must be at least --max-num-seqs");
-  const int64_t block_bytes =
-      int64_t{2} * cfg.n_layers * kKvBlock * cfg.n_kv_heads * cfg.head_dim * 4;  // K+V, fp32
+  const int64_t block_bytes = s.model->kv_block_bytes();  // K + V of every layer, in the cache's dtype
   const int32_t min_blocks = blocks_for(ctx.max_model_len);
   int64_t n_blocks = args.num_gpu_blocks_override;
   if (n_blocks == 0) {

@@ -61,6 +61,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"low", "medium", "high"}))->capture_default_str();
   run_cmd->add_flag("--dummy-weights", run.dummy_weights,
                    "Random weights generated from config.json alone (benchmarking shapes; no safetensors read)");
+  run_cmd->add_option("--dense-format", run.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
+      ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
+  run_cmd->add_option("--kv-cache-dtype", run.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
   add_device(run_cmd, &run.device, &run.threads);
 
   nb::EvalArgs eval;
@@ -132,9 +136,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   serve_cmd->add_option("--api-key", serve.api_key, "Require 'Authorization: Bearer KEY' on /v1");
   serve_cmd->add_option("--allowed-origins", serve.allowed_origins, "CORS origins ('*': any; default: CORS off)");
-  serve_cmd->add_option("--kv-cache-dtype", serve.kv_cache_dtype, "KV cache dtype (the CPU backend keeps fp32)")
+  serve_cmd->add_option("--kv-cache-dtype", serve.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
-  serve_cmd->add_option("--dense-format", serve.dense_format, "Re-quantize BF16 dense layers at load")
+  serve_cmd->add_option("--dense-format", serve.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   serve_cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", serve.enable_prefix_caching,
                       "Reuse KV blocks of shared prompt prefixes")->capture_default_str();

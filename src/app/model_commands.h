@@ -21,6 +21,8 @@ struct RunArgs {
   std::string reasoning_effort = "low";  // harmony chats
   int max_num_batched_tokens = 0;        // > 0: prefill the prompt in chunks of this many tokens
   bool dummy_weights = false;            // random weights from config.json (benchmarking shapes)
+  std::string dense_format = "keep";     // CUDA: re-quantize BF16 dense layers at load
+  std::string kv_cache_dtype = "auto";   // CUDA: bf16 (auto) or fp8
   std::string device = "auto";
   int threads = 0;
 };

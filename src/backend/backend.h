@@ -147,6 +147,8 @@ class Backend {
   virtual Tensor upload(const TensorView& host) = 0;
   virtual std::vector<float> to_host(const Tensor& t) = 0;
   virtual std::unique_ptr<KvCache> new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) = 0;
+  // The element type new_kv_cache stores K and V in (the CPU reference keeps fp32).
+  virtual DType kv_cache_dtype() const { return DType::kF32; }
 
   // Ops. Each returns a new tensor unless it says "in place".
   virtual Tensor embedding(const Weight& table, const BatchInfo& b) = 0;            // [n_tokens, d_model]

@@ -98,6 +98,11 @@ std::unique_ptr<KvCache> Model::new_kv_cache(int n_blocks) const {
   return backend_->new_kv_cache(config_.n_layers, n_blocks, config_.n_kv_heads, config_.head_dim);
 }
 
+int64_t Model::kv_block_bytes() const {
+  return int64_t{2} * config_.n_layers * kKvBlock * config_.n_kv_heads * config_.head_dim *
+         dtype_bits(backend_->kv_cache_dtype()) / 8;
+}
+
 Result<BatchInfo> Model::make_batch_info(const Batch& batch, const KvCache& cache) const {
   BatchInfo b;
   b.tokens = batch.tokens;

@@ -65,6 +65,8 @@ class Model {
   // and bytes, with totals.
   std::string describe() const;
   std::unique_ptr<KvCache> new_kv_cache(int n_blocks) const;
+  // Bytes one KV block (kKvBlock tokens, K and V, every layer) takes in the backend's cache dtype.
+  int64_t kv_block_bytes() const;
   // Runs the batch, writing the new tokens' K/V into the cache; returns logits [n_rows, vocab] (fp32,
   // host), rows in batch order: every new token of a seq with all_logits, else its last token.
   // A malformed batch (token ids, block tables, counts) is an error, never a crash.

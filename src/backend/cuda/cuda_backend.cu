@@ -427,6 +427,8 @@ std::vector<float> CudaBackend::to_host(const Tensor& t) {
   return out;
 }
 
+DType CudaBackend::kv_cache_dtype() const { return impl_->options.kv_cache_dtype; }
+
 std::unique_ptr<KvCache> CudaBackend::new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) {
   auto cache = std::make_unique<KvCache>();
   cache->n_blocks = n_blocks;

@@ -59,6 +59,7 @@ class CudaBackend final : public Backend, public WeightFactory {
   Tensor upload(const TensorView& host) override;
   std::vector<float> to_host(const Tensor& t) override;
   std::unique_ptr<KvCache> new_kv_cache(int n_layers, int n_blocks, int n_kv_heads, int head_dim) override;
+  DType kv_cache_dtype() const override;
 
   Tensor embedding(const Weight& table, const BatchInfo& b) override;
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
