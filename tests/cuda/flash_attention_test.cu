@@ -17,25 +17,14 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "formats/blocks.h"
+#include "support/random_inputs.h"
 
 namespace nb {
 namespace {
 
-std::mt19937& rng() {
-  static std::mt19937 g = [] {
-    const unsigned seed = std::random_device{}();
-    std::printf("flash_attention_test seed %u\n", seed);
-    return std::mt19937(seed);
-  }();
-  return g;
-}
-
-std::vector<float> randn(int64_t n, float scale = 1.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng());
-  return v;
-}
+using test::HostBytes;
+using test::randn;
+using test::rng;
 
 // The value a cache of `dt` stores for x.
 float cached(DType dt, float x) {

@@ -13,33 +13,14 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "support/random_inputs.h"
 
 namespace nb {
 namespace {
 
-std::mt19937& rng() {
-  static std::mt19937 g = [] {
-    const unsigned seed = std::random_device{}();
-    std::printf("gemm_cuda_test seed %u\n", seed);
-    return std::mt19937(seed);
-  }();
-  return g;
-}
-
-std::vector<float> randn(int64_t n, float scale = 1.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng());
-  return v;
-}
-
-struct HostBytes {
-  std::vector<std::vector<uint8_t>> blocks;
-  TensorView add(std::vector<uint8_t> bytes, DType dt, std::vector<int64_t> shape) {
-    blocks.push_back(std::move(bytes));
-    return TensorView{blocks.back().data(), dt, std::move(shape)};
-  }
-};
+using test::HostBytes;
+using test::randn;
+using test::rng;
 
 // A random FP4 weight [n, k] in `parts` row parts. NVFP4 parts get their own global scale and alternate
 // conventions (multiply, divide). extreme: MXFP4 block exponents spread over the range the GEMM folds

@@ -11,25 +11,14 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "model/rope.h"
+#include "support/random_inputs.h"
 
 namespace nb {
 namespace {
 
-std::mt19937& rng() {
-  static std::mt19937 g = [] {
-    const unsigned seed = std::random_device{}();
-    std::printf("cpu_ops_test seed %u\n", seed);
-    return std::mt19937(seed);
-  }();
-  return g;
-}
-
-std::vector<float> randn(int64_t n, float scale = 1.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng());
-  return v;
-}
+using test::HostBytes;
+using test::randn;
+using test::rng;
 
 Tensor to_tensor(CpuBackend& be, const std::vector<float>& v, std::vector<int64_t> shape) {
   Tensor t = be.alloc(DType::kF32, std::move(shape));
