@@ -39,7 +39,7 @@ struct ColInfo {
   bool divide[kBN];
 };
 
-template <int BM, bool kSplit>
+template <int BM, bool kSplit, bool kPrefetch = false>
 struct Tile {
   static_assert(BM == 64 || BM == 128, "32-row warp tiles");
   // Warp grid: 32-row warp tiles. At BM = 128, 4 x 2 (32 x 64 warp tiles read 20 % fewer shared bytes per MMA
@@ -50,7 +50,8 @@ struct Tile {
   static constexpr int kNT = kBN / (8 * kWarpsN);   // n8 tiles per warp
   // Blocks per SM asked of __launch_bounds__ (and shared memory sized for them on the H200's 228 KiB):
   // BM = 64 grids (M = 512, every MoE tile) are many small blocks whose latency more blocks hide.
-  static constexpr int kMinBlocks = BM == 64 ? 3 : 2;
+  // kPrefetch (a second set of fragment registers) needs more than the 85 registers 3 blocks leave.
+  static constexpr int kMinBlocks = BM == 64 && !kPrefetch ? 3 : 2;
   static constexpr int kABytes = BM * kBK * 2;      // one fp16 A tile
   static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1);
   static constexpr int kBBytes = kBN * kBK * 2;  // one decoded fp16 weight tile (two of them)
@@ -149,10 +150,10 @@ __device__ __forceinline__ BRow brow_of(const DevWeight& w, int row, int k, int 
 
 // acc[mt][nt][4] (mma C layout) += A[rows a_rows, k] x W^T over the whole k for this block's 128 columns.
 // a_hi / a_lo: the tile's first A row, row stride k (fp16, permuted k order); rows >= a_rows read as zero.
-template <WKind K, int BM, bool kSplit>
+template <WKind K, int BM, bool kSplit, bool kPrefetch = false>
 __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
                                          int a_rows, int k, const BRow& br, typename Tile<BM, kSplit>::Acc& acc) {
-  using T = Tile<BM, kSplit>;
+  using T = Tile<BM, kSplit, kPrefetch>;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
@@ -203,6 +204,43 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     b[swz(my_row, 4 * my_half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
   };
 
+  // One k16 slice's fragments: B for the warp's n8 tiles, A (and lo) for its m16 tiles that hold rows.
+  struct Frags {
+    uint32_t b[T::kNT][2];
+    uint32_t a[T::kMT][4];
+    uint32_t l[T::kMT][4];
+  };
+  const int mt_rows = a_rows - warp_m * 32;  // rows of this warp's tile (empty m16 tiles cost no MMAs)
+  auto load_frags = [&](const uint4* bs, const uint4* sa, const uint4* sl, int ks, Frags& fr) {
+    const int j = lane >> 3;
+#pragma unroll
+    for (int p = 0; p < T::kNT / 2; ++p) {
+      const int r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
+      uint32_t v[4];
+      ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
+      fr.b[2 * p][0] = v[0], fr.b[2 * p][1] = v[1], fr.b[2 * p + 1][0] = v[2], fr.b[2 * p + 1][1] = v[3];
+    }
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      if (mt * 16 >= mt_rows) break;
+      const int r = warp_m * 32 + mt * 16 + (j & 1) * 8 + (lane & 7);
+      ldmatrix_x4(fr.a[mt], sa + swz(r, 2 * ks + (j >> 1)));
+      if constexpr (kSplit) ldmatrix_x4(fr.l[mt], sl + swz(r, 2 * ks + (j >> 1)));
+    }
+  };
+  auto mmas = [&](const Frags& fr) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      if (mt * 16 >= mt_rows) break;
+#pragma unroll
+      for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.a[mt], fr.b[nt][0], fr.b[nt][1]);
+      if constexpr (kSplit) {
+#pragma unroll
+        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.l[mt], fr.b[nt][0], fr.b[nt][1]);
+      }
+    }
+  };
+
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < n_kt) load_a(s, s);
@@ -228,32 +266,46 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     uint4* bn = tile_b(kt + 1);
     const uint4* sa = stage_a(kt % S, 0);
     const uint4* sl = stage_a(kt % S, 1);
+    if constexpr (kPrefetch) {
+      // The fragments of slice ks + 1 are read while slice ks's MMAs run (two register sets), so the tensor
+      // pipe does not wait on ldmatrix inside a step; the first slice of a step still does.
+      Frags fr[2];
+      load_frags(bs, sa, sl, 0, fr[0]);
 #pragma unroll
-    for (int ks = 0; ks < kBK / 16; ++ks) {
-      uint32_t b[T::kNT][2];
-#pragma unroll
-      for (int p = 0; p < T::kNT / 2; ++p) {
-        const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
-        uint32_t v[4];
-        ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
-        b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        if (ks + 1 < kBK / 16) load_frags(bs, sa, sl, ks + 1, fr[(ks + 1) & 1]);
+        mmas(fr[ks & 1]);
+        decode(cn, fn, ks, bn);
       }
+    } else {
+      // One register set: each slice's A fragment is reused for hi and lo in turn (3 blocks of 64 rows per
+      // SM leave 80 registers).
 #pragma unroll
-      for (int mt = 0; mt < T::kMT; ++mt) {
-        const int row0 = warp_m * 32 + mt * 16;
-        if (row0 >= a_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
-        const int j = lane >> 3, r = row0 + (j & 1) * 8 + (lane & 7);
-        uint32_t a[4];
-        ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        uint32_t b[T::kNT][2];
 #pragma unroll
-        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
-        if constexpr (kSplit) {
-          ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
+        for (int p = 0; p < T::kNT / 2; ++p) {
+          const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
+          uint32_t v[4];
+          ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
+          b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < T::kMT; ++mt) {
+          if (mt * 16 >= mt_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
+          const int j = lane >> 3, r = warp_m * 32 + mt * 16 + (j & 1) * 8 + (lane & 7);
+          uint32_t a[4];
+          ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
           for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          if constexpr (kSplit) {
+            ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
+#pragma unroll
+            for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          }
         }
+        decode(cn, fn, ks, bn);  // a quarter of tile kt + 1 while this slice's MMAs run
       }
-      decode(cn, fn, ks, bn);  // a quarter of tile kt + 1 while this slice's MMAs run
     }
   }
   cp_async_wait<0>();
