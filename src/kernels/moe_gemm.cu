@@ -3,8 +3,9 @@
 // takes a slot of its expert. Slots within an expert are claimed with shared-memory atomics, so their
 // order varies from run to run, but every output row is computed from its own A row alone (MMA rows are
 // independent and k is summed in a fixed order), and the combine reads rows by pair: the result is
-// bitwise deterministic. Token tiles are 64 rows: with 32-128 experts a prefill chunk gives each expert
-// tens to hundreds of rows, and empty m16 tiles cost no MMAs (gemm_fp4_tile.cuh).
+// bitwise deterministic. Token tiles are 64 rows, or 128 when the experts average >= 128 rows: with 32-128
+// experts a prefill chunk gives each expert tens to hundreds of rows; empty m16 tiles cost no MMAs
+// (gemm_fp4_tile.cuh), and 128-row tiles read a third fewer shared-memory bytes per MMA (bench/NOTES.md).
 #include "kernels/moe_gemm.cuh"
 
 #include "backend/cuda/cuda_check.h"
