@@ -4,12 +4,13 @@
 // instructions only (cp.async, ldmatrix, mma.sync m16n8k16), so GB10 runs the same code as the H200.
 //
 // Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") into a ring of stages; this thread's
-// 16 bytes of the 128 rows' codes and their block scales come one step ahead into registers (plain loads);
-// the block decodes the codes once into one of two fp16 weight tiles in shared memory (so the warps that
-// share a weight column do not decode it twice) and the 8 warps (BM/32 along M, warp tiles of 32 rows:
-// 4 x 2 of 32 x 64 at BM = 128, 2 x 4 of 32 x 32 at BM = 64) run the MMAs from ldmatrix fragments. Step k+1 is decoded into the other weight tile in four
-// quarters, one after each k16 slice of step k's MMAs, so the ALU work issues while the tensor pipe is
-// busy, and one barrier per step suffices.
+// 16 (4 warps: 32) bytes of the 128 rows' codes and their block scales come one step ahead into registers
+// (plain loads); the block decodes the codes once into one of two fp16 weight tiles in shared memory (so
+// the warps that share a weight column do not decode it twice) and the warps run the MMAs from ldmatrix
+// fragments: 8 warps (4 x 2 of 32 x 64 at BM = 128, 2 x 4 of 32 x 32 at BM = 64) or, at BM = 128, 4 warps
+// (2 x 2 of 64 x 64). Step k+1 is decoded into the other weight tile in four quarters, one after each k16
+// slice of step k's MMAs, so the ALU work issues while the tensor pipe is busy, and one barrier per step
+// suffices. Optionally (kPrefetch) the next slice's fragments are read during the current slice's MMAs.
 // Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
 // (exact), times the block factor as an fp16, folded into the weight:
 //   MXFP4: 2^e (E8M0) is exact in fp16 for e in [-24, 15]; e2m1 * 2^e is exact for e in [-23, 13], i.e. any
