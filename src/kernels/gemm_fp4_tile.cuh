@@ -4,12 +4,13 @@
 // instructions only (cp.async, ldmatrix, mma.sync m16n8k16), so GB10 runs the same code as the H200.
 //
 // Per k-tile of 64: cp.async brings A (and A's fp16 remainder "lo") into a ring of stages; this thread's
-// 16 bytes of the 128 rows' codes and their block scales come one step ahead into registers (plain loads);
-// the block decodes the codes once into one of two fp16 weight tiles in shared memory (so the warps that
-// share a weight column do not decode it twice) and the 8 warps (BM/32 along M, warp tiles of 32 rows:
-// 4 x 2 of 32 x 64 at BM = 128, 2 x 4 of 32 x 32 at BM = 64) run the MMAs from ldmatrix fragments. Step k+1 is decoded into the other weight tile in four
-// quarters, one after each k16 slice of step k's MMAs, so the ALU work issues while the tensor pipe is
-// busy, and one barrier per step suffices.
+// 16 (4 warps: 32) bytes of the 128 rows' codes and their block scales come one step ahead into registers
+// (plain loads); the block decodes the codes once into one of two fp16 weight tiles in shared memory (so
+// the warps that share a weight column do not decode it twice) and the warps run the MMAs from ldmatrix
+// fragments: 8 warps (4 x 2 of 32 x 64 at BM = 128, 2 x 4 of 32 x 32 at BM = 64) or, at BM = 128, 4 warps
+// (2 x 2 of 64 x 64). Step k+1 is decoded into the other weight tile in four quarters, one after each k16
+// slice of step k's MMAs, so the ALU work issues while the tensor pipe is busy, and one barrier per step
+// suffices. Optionally (kPrefetch) the next slice's fragments are read during the current slice's MMAs.
 // Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
 // (exact), times the block factor as an fp16, folded into the weight:
 //   MXFP4: 2^e (E8M0) is exact in fp16 for e in [-24, 15]; e2m1 * 2^e is exact for e in [-23, 13], i.e. any
@@ -39,18 +40,27 @@ struct ColInfo {
   bool divide[kBN];
 };
 
-template <int BM, bool kSplit>
+template <int BM, bool kSplit, bool kPrefetch = false, int kW = kWarps>
 struct Tile {
-  static_assert(BM == 64 || BM == 128, "32-row warp tiles");
-  // Warp grid: 32-row warp tiles. At BM = 128, 4 x 2 (32 x 64 warp tiles read 20 % fewer shared bytes per MMA
-  // in hi + lo than 64 x 32); at BM = 64, 2 x 4, so that a small expert's rows still spread over 4 warps
-  // and the registers stay low enough for 3 blocks per SM (bench/NOTES.md).
-  static constexpr int kWarpsM = BM / 32, kWarpsN = kWarps / kWarpsM;
-  static constexpr int kMT = 2;                     // m16 tiles per warp
+  static_assert(BM == 64 || BM == 128, "64- or 128-row tiles");
+  static_assert(kW == kWarps || (kW == 4 && BM == 128), "4 warps: 128 x 128 tiles only");
+  static constexpr int kRows = BM;
+  static constexpr bool kSplitA = kSplit, kPf = kPrefetch;
+  static constexpr int kThreadsT = kW * 32;
+  // Warp grid. 8 warps: 32-row warp tiles; at BM = 128, 4 x 2 (32 x 64 warp tiles read 20 % fewer shared bytes
+  // per MMA in hi + lo than 64 x 32); at BM = 64, 2 x 4, so that a small expert's rows still spread over 4
+  // warps and the registers stay low enough for 3 blocks per SM (bench/NOTES.md). 4 warps: 2 x 2 of 64 x 64
+  // (a quarter fewer shared bytes per MMA again, 128 accumulators per thread).
+  static constexpr int kWarpsM = kW == 4 ? 2 : BM / 32, kWarpsN = kW / kWarpsM;
+  static constexpr int kWarpRows = BM / kWarpsM;
+  static constexpr int kMT = kWarpRows / 16;        // m16 tiles per warp
   static constexpr int kNT = kBN / (8 * kWarpsN);   // n8 tiles per warp
+  // Decode: kRowThreads threads per weight row, each decoding kHalves 32-wide k halves per k-tile.
+  static constexpr int kRowThreads = kThreadsT / kBN, kHalves = 2 / kRowThreads;
   // Blocks per SM asked of __launch_bounds__ (and shared memory sized for them on the H200's 228 KiB):
   // BM = 64 grids (M = 512, every MoE tile) are many small blocks whose latency more blocks hide.
-  static constexpr int kMinBlocks = BM == 64 ? 3 : 2;
+  // kPrefetch (a second set of fragment registers) needs more than the 85 registers 3 blocks leave.
+  static constexpr int kMinBlocks = BM == 64 && !kPrefetch && kW == kWarps ? 3 : 2;
   static constexpr int kABytes = BM * kBK * 2;      // one fp16 A tile
   static constexpr int kStageBytes = kABytes * (kSplit ? 2 : 1);
   static constexpr int kBBytes = kBN * kBK * 2;  // one decoded fp16 weight tile (two of them)
@@ -149,10 +159,12 @@ __device__ __forceinline__ BRow brow_of(const DevWeight& w, int row, int k, int 
 
 // acc[mt][nt][4] (mma C layout) += A[rows a_rows, k] x W^T over the whole k for this block's 128 columns.
 // a_hi / a_lo: the tile's first A row, row stride k (fp16, permuted k order); rows >= a_rows read as zero.
-template <WKind K, int BM, bool kSplit>
+// T: a Tile<...>; br: this thread's weight row, tile row threadIdx.x / T::kRowThreads.
+template <WKind K, class T>
 __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
-                                         int a_rows, int k, const BRow& br, typename Tile<BM, kSplit>::Acc& acc) {
-  using T = Tile<BM, kSplit>;
+                                         int a_rows, int k, const BRow& br, typename T::Acc& acc) {
+  constexpr int BM = T::kRows, H = T::kHalves;
+  constexpr bool kSplit = T::kSplitA, kPrefetch = T::kPf;
   constexpr int S = T::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
@@ -160,11 +172,12 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
   // Decoded weights [128][64] fp16, buffer kt % 2 for k-tile kt.
   auto tile_b = [&](int kt) { return reinterpret_cast<uint4*>(smem + S * T::kStageBytes + (kt & 1) * T::kBBytes); };
   const int n_kt = (k + kBK - 1) / kBK;
-  const int my_row = tid >> 1, my_half = tid & 1;
+  static_assert(T::kRowThreads == 2 || T::kRowThreads == 1, "1 or 2 threads per weight row");
+  const int my_row = T::kRowThreads == 2 ? tid >> 1 : tid, my_half = T::kRowThreads == 2 ? tid & 1 : 0;  // first of H halves
 
   auto load_a = [&](int kt, int s) {
     const int k0 = kt * kBK;
-    for (int c = tid; c < BM * 8; c += kThreads) {
+    for (int c = tid; c < BM * 8; c += T::kThreadsT) {
       const int r = c >> 3, ch = c & 7, kk = k0 + ch * 8;
       const bool ok = r < a_rows && kk < k;
       const int64_t off = ok ? static_cast<int64_t>(r) * k + kk : 0;
@@ -172,10 +185,10 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
       if constexpr (kSplit) cp_async16(stage_a(s, 1) + swz(r, ch), a_lo + off, ok);
     }
   };
-  // This thread's 32 codes of k-tile kt (tile row my_row, k half my_half) and their block factors as fp16x2
+  // This thread's 32 codes of k-tile kt (tile row my_row, k half `half`) and their block factors as fp16x2
   // (NVFP4: words 0-1 and 2-3); zeros past k or the weight, so decoding them writes zeros.
-  auto fetch = [&](int kt, uint4& c, uint32_t (&f)[2]) {
-    const int kk = kt * kBK + 32 * my_half;
+  auto fetch = [&](int kt, int half, uint4& c, uint32_t (&f)[2]) {
+    const int kk = kt * kBK + 32 * half;
     c = make_uint4(0, 0, 0, 0);
     f[0] = f[1] = 0;
     if (!br.codes || kk >= k) return;
@@ -191,7 +204,7 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     }
   };
   // Quarter q (codes word q: 8 codes) of the decode into one 16-byte chunk of weight tile b.
-  auto decode = [&](const uint4& c, const uint32_t (&f)[2], int q, uint4* b) {
+  auto decode = [&](const uint4& c, const uint32_t (&f)[2], int half, int q, uint4* b) {
     const uint32_t word = q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w;
     uint32_t h[4];
 #pragma unroll
@@ -200,7 +213,44 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
       const uint32_t e = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);  // e2m1 * 2^-14
       h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);                          // * 2^14 * factor
     }
-    b[swz(my_row, 4 * my_half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
+    b[swz(my_row, 4 * half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
+  };
+
+  // One k16 slice's fragments: B for the warp's n8 tiles, A (and lo) for its m16 tiles that hold rows.
+  struct Frags {
+    uint32_t b[T::kNT][2];
+    uint32_t a[T::kMT][4];
+    uint32_t l[T::kMT][4];
+  };
+  const int mt_rows = a_rows - warp_m * T::kWarpRows;  // rows of this warp's tile (empty m16 tiles cost no MMAs)
+  auto load_frags = [&](const uint4* bs, const uint4* sa, const uint4* sl, int ks, Frags& fr) {
+    const int j = lane >> 3;
+#pragma unroll
+    for (int p = 0; p < T::kNT / 2; ++p) {
+      const int r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
+      uint32_t v[4];
+      ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
+      fr.b[2 * p][0] = v[0], fr.b[2 * p][1] = v[1], fr.b[2 * p + 1][0] = v[2], fr.b[2 * p + 1][1] = v[3];
+    }
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      if (mt * 16 >= mt_rows) break;
+      const int r = warp_m * T::kWarpRows + mt * 16 + (j & 1) * 8 + (lane & 7);
+      ldmatrix_x4(fr.a[mt], sa + swz(r, 2 * ks + (j >> 1)));
+      if constexpr (kSplit) ldmatrix_x4(fr.l[mt], sl + swz(r, 2 * ks + (j >> 1)));
+    }
+  };
+  auto mmas = [&](const Frags& fr) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      if (mt * 16 >= mt_rows) break;
+#pragma unroll
+      for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.a[mt], fr.b[nt][0], fr.b[nt][1]);
+      if constexpr (kSplit) {
+#pragma unroll
+        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.l[mt], fr.b[nt][0], fr.b[nt][1]);
+      }
+    }
   };
 
 #pragma unroll
@@ -208,12 +258,15 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     if (s < n_kt) load_a(s, s);
     cp_async_commit();
   }
-  uint4 c;
-  uint32_t f[2];
-  fetch(0, c, f);
+  uint4 c[H];
+  uint32_t f[H][2];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) decode(c, f, q, tile_b(0));
-  fetch(1, c, f);
+  for (int h = 0; h < H; ++h) {
+    fetch(0, my_half + h, c[h], f[h]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) decode(c[h], f[h], my_half + h, q, tile_b(0));
+    fetch(1, my_half + h, c[h], f[h]);
+  }
   for (int kt = 0; kt < n_kt; ++kt) {
     cp_async_wait<S - 2>();
     // A stage kt landed for every thread and weight tile kt is decoded; every warp is done with step kt - 1,
@@ -221,39 +274,59 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     __syncthreads();
     if (kt + S - 1 < n_kt) load_a(kt + S - 1, (kt + S - 1) % S);
     cp_async_commit();
-    const uint4 cn = c;  // codes and factors of tile kt + 1 (zeros past the end: decoded into a free buffer)
-    const uint32_t fn[2] = {f[0], f[1]};
-    fetch(kt + 2, c, f);
+    uint4 cn[H];  // codes and factors of tile kt + 1 (zeros past the end: decoded into a free buffer)
+    uint32_t fn[H][2];
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      cn[h] = c[h], fn[h][0] = f[h][0], fn[h][1] = f[h][1];
+      fetch(kt + 2, my_half + h, c[h], f[h]);
+    }
     const uint4* bs = tile_b(kt);
     uint4* bn = tile_b(kt + 1);
     const uint4* sa = stage_a(kt % S, 0);
     const uint4* sl = stage_a(kt % S, 1);
+    if constexpr (kPrefetch) {
+      // The fragments of slice ks + 1 are read while slice ks's MMAs run (two register sets), so the tensor
+      // pipe does not wait on ldmatrix inside a step; the first slice of a step still does.
+      Frags fr[2];
+      load_frags(bs, sa, sl, 0, fr[0]);
 #pragma unroll
-    for (int ks = 0; ks < kBK / 16; ++ks) {
-      uint32_t b[T::kNT][2];
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        if (ks + 1 < kBK / 16) load_frags(bs, sa, sl, ks + 1, fr[(ks + 1) & 1]);
+        mmas(fr[ks & 1]);
 #pragma unroll
-      for (int p = 0; p < T::kNT / 2; ++p) {
-        const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
-        uint32_t v[4];
-        ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
-        b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
+        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], my_half + h, ks, bn);
       }
+    } else {
+      // One register set: each slice's A fragment is reused for hi and lo in turn (3 blocks of 64 rows per
+      // SM leave 80 registers).
 #pragma unroll
-      for (int mt = 0; mt < T::kMT; ++mt) {
-        const int row0 = warp_m * 32 + mt * 16;
-        if (row0 >= a_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
-        const int j = lane >> 3, r = row0 + (j & 1) * 8 + (lane & 7);
-        uint32_t a[4];
-        ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        uint32_t b[T::kNT][2];
 #pragma unroll
-        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
-        if constexpr (kSplit) {
-          ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
+        for (int p = 0; p < T::kNT / 2; ++p) {
+          const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
+          uint32_t v[4];
+          ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
+          b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < T::kMT; ++mt) {
+          if (mt * 16 >= mt_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
+          const int j = lane >> 3, r = warp_m * T::kWarpRows + mt * 16 + (j & 1) * 8 + (lane & 7);
+          uint32_t a[4];
+          ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
           for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          if constexpr (kSplit) {
+            ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
+#pragma unroll
+            for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          }
         }
+#pragma unroll
+        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], my_half + h, ks, bn);  // tile kt + 1, a quarter per slice
       }
-      decode(cn, fn, ks, bn);  // a quarter of tile kt + 1 while this slice's MMAs run
     }
   }
   cp_async_wait<0>();
@@ -262,17 +335,16 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
 // Calls out(row, col, v0, v1) for every pair of adjacent tile columns (col even) of this thread's
 // accumulators in rows < a_rows, with v = acc * unscale[row] * the column's global scale. `out` checks
 // the columns (ci.row[col] < 0: past the weight).
-template <int BM, bool kSplit, class Out>
-__device__ __forceinline__ void epilogue(const typename Tile<BM, kSplit>::Acc& acc, const ColInfo& ci,
+template <class T, class Out>
+__device__ __forceinline__ void epilogue(const typename T::Acc& acc, const ColInfo& ci,
                                          const float* __restrict__ unscale, int a_rows, Out&& out) {
-  using T = Tile<BM, kSplit>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
 #pragma unroll
   for (int mt = 0; mt < T::kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = warp_m * 32 + mt * 16 + g + 8 * half;
+      const int row = warp_m * T::kWarpRows + mt * 16 + g + 8 * half;
       if (row >= a_rows) continue;
       const float u = unscale[row];
 #pragma unroll

@@ -3,22 +3,24 @@
 // takes a slot of its expert. Slots within an expert are claimed with shared-memory atomics, so their
 // order varies from run to run, but every output row is computed from its own A row alone (MMA rows are
 // independent and k is summed in a fixed order), and the combine reads rows by pair: the result is
-// bitwise deterministic. Token tiles are 64 rows: with 32-128 experts a prefill chunk gives each expert
-// tens to hundreds of rows, and empty m16 tiles cost no MMAs (gemm_fp4_tile.cuh).
+// bitwise deterministic. Token tiles are 64 rows, or 128 when the experts average >= 128 rows: with 32-128
+// experts a prefill chunk gives each expert tens to hundreds of rows; empty m16 tiles cost no MMAs
+// (gemm_fp4_tile.cuh), and 128-row tiles read a third fewer shared-memory bytes per MMA (bench/NOTES.md).
 #include "kernels/moe_gemm.cuh"
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
 
+#include <cstdlib>
+
 namespace nb::cuda {
 namespace {
 
 using gemm::kBN;
-using gemm::kThreads;
-constexpr int kBM = 64;
+constexpr int kMinBM = 64;  // the smaller token-tile height; the scratch's tile list is sized for it
 constexpr int kMaxExperts = 4096;
 
-__global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n_experts, int32_t* __restrict__ offsets,
+__global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n_experts, int bm, int32_t* __restrict__ offsets,
                              int32_t* __restrict__ slot_of, int32_t* __restrict__ pair_of, int2* __restrict__ tiles,
                              int32_t* __restrict__ n_tiles) {
   extern __shared__ int32_t counts[];  // [n_experts] counts, then [n_experts] cursors
@@ -35,7 +37,7 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
     int off = 0, nt = 0;
     for (int e = 0; e < n_experts; ++e) {
       offsets[e] = cursor[e] = off;
-      for (int m0 = 0; m0 < counts[e]; m0 += kBM) tiles[nt++] = make_int2(e, m0);
+      for (int m0 = 0; m0 < counts[e]; m0 += bm) tiles[nt++] = make_int2(e, m0);
       off += counts[e];
     }
     offsets[n_experts] = off;
@@ -52,6 +54,7 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Which tile this block runs: (expert, its first slot, rows), or false past the listed tiles.
+template <int kBM>
 __device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tiles, const int32_t* offsets, int& e,
                                         int& base, int& rows) {
   if (static_cast<int>(blockIdx.y) >= *n_tiles) return false;
@@ -64,15 +67,15 @@ __device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tile
 
 // FC1 + bias + GLU: block x covers outputs j in [64 x, 64 x + 64); its 128 weight rows are gate/up pairs
 // (tile column 2i = gate of j0 + i, 2i + 1 = up), whichever layout the checkpoint uses.
-template <WKind K, bool kSplit>
-__global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinBlocks) fc1_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+template <WKind K, bool kSplit, int kBM, bool kPf, int kW>
+__global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, gemm::Tile<kBM, kSplit, kPf, kW>::kLaunchMinBlocks) fc1_kernel(ExpertTable tab, const int2* __restrict__ tiles,
                                                          const int32_t* __restrict__ n_tiles,
                                                          const int32_t* __restrict__ offsets, GemmActivations a,
                                                          Glu glu, float limit, float* __restrict__ act) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ gemm::ColInfo ci;
   int e, base, rows;
-  if (!tile_of(tiles, n_tiles, offsets, e, base, rows)) return;
+  if (!tile_of<kBM>(tiles, n_tiles, offsets, e, base, rows)) return;
   const DevWeight& w = tab.fc1[e];
   const int d = tab.d_expert, j0 = blockIdx.x * (kBN / 2), tid = threadIdx.x;
   const bool interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
@@ -81,13 +84,14 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinB
     return j >= d ? -1 : interleaved ? 2 * j + (c & 1) : (c & 1) ? d + j : j;
   };
   if (tid < kBN) gemm::set_col(ci, tid, w, row_of(tid));
-  const gemm::BRow br = gemm::brow_of(w, row_of(tid >> 1), w.k, K == WKind::kMXFP4 ? 32 : 16);
-  typename gemm::Tile<kBM, kSplit>::Acc acc = {};
+  using T = gemm::Tile<kBM, kSplit, kPf, kW>;
+  const gemm::BRow br = gemm::brow_of(w, row_of(tid / T::kRowThreads), w.k, K == WKind::kMXFP4 ? 32 : 16);
+  typename T::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
-  gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  gemm::mainloop<K, T>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
   const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
-  gemm::epilogue<kBM, kSplit>(acc, ci, a.unscale + base, rows, [&](int row, int col, float g, float u) {
+  gemm::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float g, float u) {
     const int j = j0 + col / 2;
     if (j >= d) return;
     if (bias) g += bias[ci.row[col]], u += bias[ci.row[col + 1]];
@@ -104,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinB
 }
 
 // FC2 + bias, times the pair's routing weight, into the pair's slot row.
-template <WKind K, bool kSplit>
-__global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinBlocks) fc2_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+template <WKind K, bool kSplit, int kBM, bool kPf, int kW>
+__global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, gemm::Tile<kBM, kSplit, kPf, kW>::kLaunchMinBlocks) fc2_kernel(ExpertTable tab, const int2* __restrict__ tiles,
                                                          const int32_t* __restrict__ n_tiles,
                                                          const int32_t* __restrict__ offsets,
                                                          const int32_t* __restrict__ pair_of,
@@ -114,17 +118,18 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<kBM, kSplit>::kLaunchMinB
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ gemm::ColInfo ci;
   int e, base, rows;
-  if (!tile_of(tiles, n_tiles, offsets, e, base, rows)) return;
+  if (!tile_of<kBM>(tiles, n_tiles, offsets, e, base, rows)) return;
   const DevWeight& w = tab.fc2[e];
   const int n = tab.d_model, n0 = blockIdx.x * kBN, tid = threadIdx.x;
   if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
-  const int my_row = n0 + (tid >> 1);
+  using T = gemm::Tile<kBM, kSplit, kPf, kW>;
+  const int my_row = n0 + tid / T::kRowThreads;
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
-  typename gemm::Tile<kBM, kSplit>::Acc acc = {};
+  typename T::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
-  gemm::mainloop<K, kBM, kSplit>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  gemm::mainloop<K, T>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
-  gemm::epilogue<kBM, kSplit>(acc, ci, a.unscale + base, rows, [&](int row, int col, float v0, float v1) {
+  gemm::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float v0, float v1) {
     const int c = n0 + col;
     const float wt = weights[pair_of[base + row]];
     float* dst = y_slot + static_cast<int64_t>(base + row) * n + c;
@@ -149,23 +154,24 @@ __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* 
   reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
 }
 
-template <WKind K, bool kSplit>
+template <WKind K, bool kSplit, int kBM, bool kPf = false, int kW = gemm::kWarps>
 void projections(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
                  const MoeGemmScratch& ws, cudaStream_t s) {
-  constexpr int smem = gemm::Tile<kBM, kSplit>::kSmem;
+  using T = gemm::Tile<kBM, kSplit, kPf, kW>;
+  constexpr int smem = T::kSmem;
   const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
-  auto fc1 = fc1_kernel<K, kSplit>;
+  auto fc1 = fc1_kernel<K, kSplit, kBM, kPf, kW>;
   CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  fc1<<<dim3(ceil_div(t.d_expert, kBN / 2), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+  fc1<<<dim3(ceil_div(t.d_expert, kBN / 2), max_tiles), T::kThreadsT, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
                                                                                 ws.x, glu, limit, ws.act);
   CUDA_CHECK(cudaGetLastError());
   const GemmActs mode = kSplit ? GemmActs::kSplit : GemmActs::kFp16;
   launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
-  auto fc2 = fc2_kernel<K, kSplit>;
+  auto fc2 = fc2_kernel<K, kSplit, kBM, kPf, kW>;
   CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  fc2<<<dim3(ceil_div(t.d_model, kBN), max_tiles), kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+  fc2<<<dim3(ceil_div(t.d_model, kBN), max_tiles), T::kThreadsT, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
                                                                            ws.pair_of, weights, ws.a, ws.y_slot);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -177,7 +183,7 @@ bool moe_gemm_supports(const ExpertTable& t) {
          t.n_experts >= 1 && t.n_experts <= kMaxExperts;
 }
 
-int64_t moe_gemm_max_tiles(int64_t n_pairs, int n_experts) { return (n_pairs + kBM - 1) / kBM + n_experts; }
+int64_t moe_gemm_max_tiles(int64_t n_pairs, int n_experts) { return (n_pairs + kMinBM - 1) / kMinBM + n_experts; }
 
 // One layout for both functions: `take` hands out consecutive 256-byte aligned pieces.
 template <class Take>
@@ -220,19 +226,42 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   const int64_t n_pairs = n_tokens * top_k;
   NB_CHECK(n_tokens >= 1 && top_k >= 1 && moe_gemm_max_tiles(n_pairs, t.n_experts) <= 65535,
            "moe_gemm: " + std::to_string(n_tokens) + " tokens x top_k " + std::to_string(top_k));
-  group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts,
+  // EXPERIMENT (gemm-speed2): NIBBLE_MOE_VARIANT 0 = 64-row tiles, 1 = 128-row tiles, 2 = 64 + fragment
+  // prefetch, 3 = 128 with 4 warps of 64 x 64, -1/unset = 128 when the experts average >= 128 rows, else 64.
+  static const int variant = [] {
+    const char* v = std::getenv("NIBBLE_MOE_VARIANT");
+    return v ? std::atoi(v) : -1;
+  }();
+  const bool split = mode == GemmActs::kSplit;
+  int var = variant;
+  if (var < 0 || !split || t.kind != WKind::kMXFP4) var = n_pairs >= 128 * static_cast<int64_t>(t.n_experts) ? 1 : 0;
+  const int bm = var == 1 || var == 3 ? 128 : 64;
+  group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts, bm,
                                                                   ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
                                                                   ws.n_tiles);
   CUDA_CHECK(cudaGetLastError());
   // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k.
   launch_gemm_activations(x, ws.pair_of, top_k, n_pairs, t.d_model, mode, ws.x, s);
-  const bool split = mode == GemmActs::kSplit;
   if (t.kind == WKind::kMXFP4) {
-    split ? projections<WKind::kMXFP4, true>(t, weights, n_pairs, glu, limit, ws, s)
-          : projections<WKind::kMXFP4, false>(t, weights, n_pairs, glu, limit, ws, s);
+    if (split) {
+      switch (var) {
+        case 1: projections<WKind::kMXFP4, true, 128, false>(t, weights, n_pairs, glu, limit, ws, s); break;
+        case 2: projections<WKind::kMXFP4, true, 64, true>(t, weights, n_pairs, glu, limit, ws, s); break;
+        case 3: projections<WKind::kMXFP4, true, 128, false, 4>(t, weights, n_pairs, glu, limit, ws, s); break;
+        default: projections<WKind::kMXFP4, true, 64, false>(t, weights, n_pairs, glu, limit, ws, s);
+      }
+    } else {
+      bm == 128 ? projections<WKind::kMXFP4, false, 128, false>(t, weights, n_pairs, glu, limit, ws, s)
+                : projections<WKind::kMXFP4, false, 64, false>(t, weights, n_pairs, glu, limit, ws, s);
+    }
   } else {
-    split ? projections<WKind::kNVFP4, true>(t, weights, n_pairs, glu, limit, ws, s)
-          : projections<WKind::kNVFP4, false>(t, weights, n_pairs, glu, limit, ws, s);
+    if (split) {
+      bm == 128 ? projections<WKind::kNVFP4, true, 128, false>(t, weights, n_pairs, glu, limit, ws, s)
+                : projections<WKind::kNVFP4, true, 64, false>(t, weights, n_pairs, glu, limit, ws, s);
+    } else {
+      bm == 128 ? projections<WKind::kNVFP4, false, 128, false>(t, weights, n_pairs, glu, limit, ws, s)
+                : projections<WKind::kNVFP4, false, 64, false>(t, weights, n_pairs, glu, limit, ws, s);
+    }
   }
   const int64_t quads = n_tokens * (t.d_model / 4);
   combine_kernel<<<ceil_div(quads, 256), 256, 0, s>>>(ws.y_slot, ws.slot_of, static_cast<int>(n_tokens), top_k,

@@ -190,6 +190,11 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
        true, true, 32},
       {"nvfp4 interleaved, 200 tokens on 3 experts", WeightFormat::kNVFP4, 16, 3, 200, 96, 128,
        GluLayout::kInterleaved, true, false, 3},
+      // >= 128 rows per expert on average: 128-row token tiles (a full one and a partial one per expert).
+      {"mxfp4 interleaved gpt-oss, 300 tokens on 2 experts", WeightFormat::kMXFP4, 2, 1, 300, 64, 96,
+       GluLayout::kInterleaved, true, true, 2},
+      {"nvfp4 halves silu, 300 tokens x 2 on 3 experts", WeightFormat::kNVFP4, 3, 2, 300, 96, 64, GluLayout::kHalves,
+       false, false, 3},
   };
   for (const Case& c : cases) {
     MoeExperts ex;
