@@ -226,8 +226,10 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   const int64_t n_pairs = n_tokens * top_k;
   NB_CHECK(n_tokens >= 1 && top_k >= 1 && moe_gemm_max_tiles(n_pairs, t.n_experts) <= 65535,
            "moe_gemm: " + std::to_string(n_tokens) + " tokens x top_k " + std::to_string(top_k));
-  // EXPERIMENT (gemm-speed2): NIBBLE_MOE_VARIANT 0 = 64-row tiles, 1 = 128-row tiles, 2 = 64 + fragment
-  // prefetch, 3 = 128 with 4 warps of 64 x 64, -1/unset = 128 when the experts average >= 128 rows, else 64.
+  // Tile rows per expert block: 128 when the experts average >= 128 rows, else 64 (measured, NOTES.md: the
+  // MoE layer at M = 2048 went 125 -> 138 TFLOP/s on gpt-oss-20b, 120b stays on 64-row tiles).
+  // NIBBLE_MOE_VARIANT (measurement knob) forces 0 = 64-row tiles, 1 = 128-row tiles, 2 = 64 + fragment
+  // prefetch, 3 = 128 with 4 warps of 64 x 64; 2 and 3 measured slower (114 / 112 TFLOP/s on 20b).
   static const int variant = [] {
     const char* v = std::getenv("NIBBLE_MOE_VARIANT");
     return v ? std::atoi(v) : -1;
