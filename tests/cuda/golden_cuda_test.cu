@@ -15,19 +15,14 @@
 
 #include "backend/cuda/device.h"
 #include "model/model.h"
+#include "support/golden.h"
 
 namespace nb {
 namespace {
 
-constexpr double kNllTolerance = 0.02;
-constexpr double kMinMargin = 0.05;
-
-double nll_of(const float* row, int vocab, int target) {
-  const double m = *std::max_element(row, row + vocab);
-  double s = 0;
-  for (int i = 0; i < vocab; ++i) s += std::exp(row[i] - m);
-  return m + std::log(s) - row[target];
-}
+using test::kMinMargin;
+using test::kNllTolerance;
+using test::nll_of;
 
 class GoldenCuda : public ::testing::TestWithParam<std::string> {
  protected:
@@ -56,27 +51,9 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
     vocab_ = model_->config().vocab_size;
   }
   double chunked_nll_error(const std::vector<int>& chunks, const std::vector<int32_t>& table) {
-    auto cache = model_->new_kv_cache(8);
-    std::vector<float> logits;
-    int32_t past = 0;
-    for (int n : chunks) {
-      Batch b;
-      b.tokens.assign(tokens_.begin() + past, tokens_.begin() + past + n);
-      b.seqs.push_back({table, past, n, true});
-      auto out = model_->forward(b, *cache);
-      EXPECT_TRUE(out.ok()) << out.status().message();
-      if (!out.ok()) return INFINITY;
-      logits.insert(logits.end(), out->begin(), out->end());
-      past += n;
-    }
-    return nll_error(logits.data(), 0);
+    return test::chunked_nll_error(*model_, tokens_, ref_nll_, chunks, table);
   }
-  double nll_error(const float* logits, int first) {
-    double err = 0;
-    for (size_t i = 0; i + 1 < tokens_.size(); ++i)
-      err = std::max(err, std::abs(nll_of(logits + (first + i) * vocab_, vocab_, tokens_[i + 1]) - ref_nll_[i]));
-    return err;
-  }
+  double nll_error(const float* logits, int first) { return test::nll_error(logits, first, vocab_, tokens_, ref_nll_); }
 
   std::string dir_;
   nlohmann::json ref_;

@@ -12,24 +12,16 @@
 #include <nlohmann/json.hpp>
 
 #include "model/model.h"
+#include "support/golden.h"
 
 namespace nb {
 namespace {
 
-constexpr double kNllTolerance = 0.02;
-constexpr double kMinMargin = 0.05;  // greedy ids must agree up to the first step with a smaller margin
+using test::kMinMargin;
+using test::kNllTolerance;
+using test::nll_of;
 
-std::string model_dir(const std::string& name) {
-  return std::string(NIBBLE_SOURCE_DIR) + "/tests/data/models/" + name;
-}
-
-// -log softmax(row)[target], in double.
-double nll_of(const float* row, int vocab, int target) {
-  const double m = *std::max_element(row, row + vocab);
-  double s = 0;
-  for (int i = 0; i < vocab; ++i) s += std::exp(row[i] - m);
-  return m + std::log(s) - row[target];
-}
+std::string model_dir(const std::string& name) { return test::golden_dir(name); }
 
 int argmax(const float* row, int vocab) { return static_cast<int>(std::max_element(row, row + vocab) - row); }
 
@@ -52,32 +44,10 @@ class Golden : public ::testing::TestWithParam<std::string> {
 
   // Scores tokens_ fed as consecutive chunks of one sequence (all logits); returns max |nll - ref|.
   double chunked_nll_error(const std::vector<int>& chunks, const std::vector<int32_t>& block_table) {
-    auto cache = model_->new_kv_cache(8);
-    std::vector<float> logits;
-    int32_t past = 0;
-    for (int n : chunks) {
-      Batch b;
-      b.tokens.assign(tokens_.begin() + past, tokens_.begin() + past + n);
-      b.seqs.push_back({block_table, past, n, true});
-      auto out = model_->forward(b, *cache);
-      EXPECT_TRUE(out.ok()) << out.status().message();
-      if (!out.ok()) return INFINITY;
-      logits.insert(logits.end(), out->begin(), out->end());
-      past += n;
-    }
-    EXPECT_EQ(past, static_cast<int32_t>(tokens_.size()));
-    return nll_error(logits.data(), 0);
+    return test::chunked_nll_error(*model_, tokens_, ref_nll_, chunks, block_table);
   }
-
   // Max |nll - ref| over the 63 predictions, logits rows starting at `first` row.
-  double nll_error(const float* logits, int first) {
-    double err = 0;
-    for (size_t i = 0; i + 1 < tokens_.size(); ++i) {
-      const double nll = nll_of(logits + (first + i) * vocab_, vocab_, tokens_[i + 1]);
-      err = std::max(err, std::abs(nll - ref_nll_[i]));
-    }
-    return err;
-  }
+  double nll_error(const float* logits, int first) { return test::nll_error(logits, first, vocab_, tokens_, ref_nll_); }
 
   nlohmann::json ref_;
   std::unique_ptr<Model> model_;
