@@ -88,16 +88,53 @@ __device__ __forceinline__ void half2_bits_to_float2(uint32_t h, float& lo, floa
       : "r"(h));
 }
 
+// Nibbles 0 and 4 of s (elements 0 and 4 of its word) as an fp16 pair (low, high half), each e2m1 * 2^-14.
+__device__ __forceinline__ uint32_t e2m1_pair_scaled(uint32_t s) {
+  return ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);
+}
+
 __device__ __forceinline__ void e2m1x8_scaled(uint32_t w, float (&out)[8]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // Nibbles i and i + 4 (elements i and i + 4) into the low and high halves.
-    const uint32_t s = w >> (4 * i);
-    const uint32_t h = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);
-    half2_bits_to_float2(h, out[i], out[i + 4]);
-  }
+  for (int i = 0; i < 4; ++i) half2_bits_to_float2(e2m1_pair_scaled(w >> (4 * i)), out[i], out[i + 4]);
 }
 inline constexpr float kE2m1Unscale = 16384.0f;  // 2^14, undoes e2m1x8_scaled's factor
+
+// --- fp16 activations for the tensor-core kernels (decode GEMV, prefill GEMMs) -----------------------
+// A row of x is scaled by 2^s so that max |x| lands in [2^14, 2^15) (no fp16 overflow, the lo parts stay
+// normal) and split into fp16 hi + lo (x - hi): ~22 bits, and fp16 x fp16 products are exact in fp32.
+// Inside each octet of 8 elements the order is 0 4 1 5 2 6 3 7: the pairs the E2M1 word decodes yield.
+
+// s for a row whose max |x| is mx (NaN/inf rows keep scale 1).
+__device__ __forceinline__ int fp16_prescale_shift(float mx) {
+  int e = 0;
+  if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
+  return max(-120, min(120, 15 - e));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+
+// One octet v (already scaled) -> its hi and lo halves in the octet order above.
+__device__ __forceinline__ void split_octet(const float (&v)[8], uint4& hi, uint4& lo) {
+  uint32_t h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
+    h[i] = pack_half2(h0, h1);
+    l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
+  }
+  hi = make_uint4(h[0], h[1], h[2], h[3]);
+  lo = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+// c += a b, one mma.sync m16n8k16 with fp16 operands and fp32 accumulators (sm_80 and later).
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

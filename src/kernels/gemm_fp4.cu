@@ -14,10 +14,6 @@ namespace {
 using gemm::kBN;
 using gemm::kThreads;
 
-__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
-  return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
-}
-
 // One warp per output row: max |x| over the row, then the row scaled by 2^s and split into fp16 hi (+ lo).
 constexpr int kPrepWarps = 8;
 __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const float* __restrict__ x,
@@ -36,9 +32,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
                          fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w)))));
   }
   mx = warp_max(mx);
-  int e = 0;
-  if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e); NaN/inf rows keep scale 1
-  const int sh = max(-120, min(120, 15 - e));
+  const int sh = fp16_prescale_shift(mx);
   const float pre = ldexpf(1.0f, sh);
   if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
   uint4* dh = reinterpret_cast<uint4*>(hi + static_cast<int64_t>(r) * k);
@@ -46,15 +40,10 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   for (int q = lane; q < groups; q += 32) {
     const float4 a = __ldg(src + 2 * q), b = __ldg(src + 2 * q + 1);
     const float v[8] = {a.x * pre, a.y * pre, a.z * pre, a.w * pre, b.x * pre, b.y * pre, b.z * pre, b.w * pre};
-    uint32_t h[4], l[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // pair i holds elements i and i + 4: the order the weight decode yields
-      const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
-      h[i] = pack_half2(h0, h1);
-      l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
-    }
-    dh[q] = make_uint4(h[0], h[1], h[2], h[3]);
-    if (split) dl[q] = make_uint4(l[0], l[1], l[2], l[3]);
+    uint4 h, l;
+    split_octet(v, h, l);  // pair i holds elements i and i + 4: the order the weight decode yields
+    dh[q] = h;
+    if (split) dl[q] = l;
   }
 }
 

@@ -101,13 +101,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
@@ -209,9 +202,8 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     uint32_t h[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t s = word >> (4 * i);
-      const uint32_t e = ((s << 9) & 0x0E000E00u) | ((s << 12) & 0x80008000u);  // e2m1 * 2^-14
-      h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);                          // * 2^14 * factor
+      const uint32_t e = e2m1_pair_scaled(word >> (4 * i));  // e2m1 * 2^-14
+      h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);      // * 2^14 * factor
     }
     b[swz(my_row, 4 * half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
   };
@@ -245,10 +237,10 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     for (int mt = 0; mt < T::kMT; ++mt) {
       if (mt * 16 >= mt_rows) break;
 #pragma unroll
-      for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.a[mt], fr.b[nt][0], fr.b[nt][1]);
+      for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], fr.a[mt], fr.b[nt][0], fr.b[nt][1]);
       if constexpr (kSplit) {
 #pragma unroll
-        for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], fr.l[mt], fr.b[nt][0], fr.b[nt][1]);
+        for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], fr.l[mt], fr.b[nt][0], fr.b[nt][1]);
       }
     }
   };
@@ -317,11 +309,11 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
           uint32_t a[4];
           ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
-          for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
           if constexpr (kSplit) {
             ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
 #pragma unroll
-            for (int nt = 0; nt < T::kNT; ++nt) mma16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+            for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
           }
         }
 #pragma unroll

@@ -61,13 +61,6 @@ struct Fp4Fmt<WKind::kNVFP4> {
   __device__ static float factor(uint32_t c) { return __uint_as_float((c & 0x7fu) << 20) * 0x1p120f; }
 };
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // A code word's 8 E2M1 codes (nibble i = element i) as 4 fp16 pairs h[i] = (element i, element i + 4),
 // each equal to e2m1 * 2^-14: the sign bit goes to fp16 bit 15 and the 3 magnitude bits to 9..11
 // (exponent 0..3, mantissa top bit), so code 1 lands on the subnormal 2^-15. 11 integer ops for 8 codes:
@@ -100,15 +93,12 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
 // ---- Activation staging -------------------------------------------------------------------------------
 // Shared memory (fp16 units): a zero region [kp], then per token hi [kp] and lo [kp]; kp = k padded to whole
 // groups. Inside each octet of 8 elements the staged order is 0 4 1 5 2 6 3 7, so k16 step s of a block
-// reads 4 consecutive halves (the B registers (x_i, x_i+4), (x_i+1, x_i+5)) matching e2m1_pair's pairs.
+// reads 4 consecutive halves (the B registers (x_i, x_i+4), (x_i+1, x_i+5)) matching e2m1_word's pairs
+// (the prescale and the hi + lo split are common.cuh's, shared with the prefill GEMMs' activations).
 __host__ __device__ constexpr int padded_k(int k, int bs) { return (k + 4 * bs - 1) / (4 * bs) * (4 * bs); }
 // Bytes of shared memory for m staged tokens.
 __host__ __device__ constexpr size_t stage_bytes(int m, int k, int bs) {
   return static_cast<size_t>(1 + 2 * m) * padded_k(k, bs) * 2;
-}
-
-__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
-  return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
 // All threads of the block: stage m <= kMaxTokens tokens of x (row t at x + t * ld, k floats) into smem;
@@ -136,9 +126,7 @@ __device__ void stage_x(const float* __restrict__ x, int64_t ld, int m, int k, i
   if (threadIdx.x < m) {
     float mx = 0.0f;
     for (int q = 0; q < nw; ++q) mx = fmaxf(mx, red[threadIdx.x * kMaxWarps + q]);
-    int e = 0;
-    if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
-    const int sh = max(-120, min(120, 15 - e));
+    const int sh = fp16_prescale_shift(mx);
     red[threadIdx.x * kMaxWarps] = ldexpf(1.0f, sh);  // the prescale, read below
     unscale[threadIdx.x] = ldexpf(1.0f, -sh) * 16384.0f;
   }
@@ -156,15 +144,10 @@ __device__ void stage_x(const float* __restrict__ x, int64_t ld, int m, int k, i
       v[0] = a.x * pre, v[1] = a.y * pre, v[2] = a.z * pre, v[3] = a.w * pre;
       v[4] = b.x * pre, v[5] = b.y * pre, v[6] = b.z * pre, v[7] = b.w * pre;
     }
-    uint32_t h[4], l[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // halves 2i, 2i + 1 of the octet = elements i, i + 4
-      const __half h0 = __float2half_rn(v[i]), h1 = __float2half_rn(v[i + 4]);
-      h[i] = pack_half2(h0, h1);
-      l[i] = pack_half2(__float2half_rn(v[i] - __half2float(h0)), __float2half_rn(v[i + 4] - __half2float(h1)));
-    }
-    reinterpret_cast<uint4*>(smem + static_cast<size_t>(1 + 2 * t) * kp)[o] = make_uint4(h[0], h[1], h[2], h[3]);
-    reinterpret_cast<uint4*>(smem + static_cast<size_t>(2 + 2 * t) * kp)[o] = make_uint4(l[0], l[1], l[2], l[3]);
+    uint4 h, l;
+    split_octet(v, h, l);
+    reinterpret_cast<uint4*>(smem + static_cast<size_t>(1 + 2 * t) * kp)[o] = h;
+    reinterpret_cast<uint4*>(smem + static_cast<size_t>(2 + 2 * t) * kp)[o] = l;
   }
   __syncthreads();
 }
@@ -225,7 +208,7 @@ __device__ __forceinline__ void compute_group(const GroupData<K>& d, const uint3
 #pragma unroll
     for (int t = 0; t < M; ++t) {  // tokens >= m compute on stale shared memory and are never written out
       const uint2 b = lds64(bptr[t] + goff + 8 * s);
-      mma16816(c[t], a, b.x, b.y);
+      mma_f16_16816(c[t], a, b.x, b.y);
     }
   }
   const float fa0 = F::factor(d.sa & 0xffu), fa1 = F::factor(d.sa >> 8), fb0 = F::factor(d.sb & 0xffu),
