@@ -56,6 +56,13 @@ class Golden : public ::testing::TestWithParam<std::string> {
   std::vector<double> ref_nll_;
 };
 
+// What `nibble serve` sizes its KV cache by: K and V of every layer for one block, in the backend's cache
+// dtype (fp32 on the CPU reference).
+TEST_P(Golden, KvBlockBytes) {
+  const ModelConfig& c = model_->config();
+  EXPECT_EQ(model_->kv_block_bytes(), int64_t{2} * c.n_layers * kKvBlock * c.n_kv_heads * c.head_dim * 4);
+}
+
 TEST_P(Golden, NllOneBatch) {
   const double err = chunked_nll_error({64}, {0, 1, 2, 3});
   std::printf("%s: max NLL error, one batch: %.2e\n", GetParam().c_str(), err);

@@ -129,9 +129,9 @@ def test_dummy_weights_from_config_alone(name, tmp_path):
                                  "fp8", "--tokens-file", tmp_path / "config.json", check=False))
     # run and serve take the CUDA load options too; on the CPU backend they are one-line errors.
     assert_one_line_error(nibble("run", "-m", tmp_path, "--dummy-weights", "--device", "cpu", "--prompt-tokens", "1",
-                                 "--kv-cache-dtype", "fp8", check=False), "--kv-cache-dtype")
+                                 "--kv-cache-dtype", "fp8", check=False), "--kv-cache-dtype", "CUDA backend")
     assert_one_line_error(nibble("serve", "-m", tmp_path, "--dummy-weights", "--device", "cpu",
-                                 "--kv-cache-dtype", "fp8", check=False), "--kv-cache-dtype")
+                                 "--kv-cache-dtype", "fp8", check=False), "--kv-cache-dtype", "CUDA backend")
 
 
 def test_dummy_weights_in_help():
