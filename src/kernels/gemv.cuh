@@ -30,7 +30,7 @@ struct ExpertTable {
   int n_experts = 0, d_expert = 0, d_model = 0;
   const float* fc1_bias = nullptr;  // [n_experts, 2 d_expert] or null
   const float* fc2_bias = nullptr;  // [n_experts, d_model] or null
-  bool fp4_vec_ok = false;          // FP4 kinds: every expert's rows are 16-byte aligned (tensor-core path)
+  bool vec_ok = false;  // every expert's rows are 16-byte aligned: the tensor-core paths (decode, grouped GEMM)
 };
 
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch

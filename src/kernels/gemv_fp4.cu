@@ -729,9 +729,8 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 
 bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                         Glu glu, float limit, float* act, cudaStream_t s) {
-  // Alignment is per expert (the ExpertTable does not record it): the backend only builds FP4 tables whose
-  // experts are all 16-byte aligned (vec_ok), see fp4_table_ok.
-  if (!fp4_ok(t.kind) || !t.fp4_vec_ok || t.d_model % 16 != 0 || n_pairs < 1) return false;
+  // The row loads need every expert 16-byte aligned (ExpertTable::vec_ok); otherwise the CUDA-core kernels.
+  if (!fp4_ok(t.kind) || !t.vec_ok || t.d_model % 16 != 0 || n_pairs < 1) return false;
   const int np = static_cast<int>(std::min<int64_t>(n_pairs, 1 << 30));
   return t.kind == WKind::kMXFP4 ? moe_fc1_kind<WKind::kMXFP4>(t, ids, np, top_k, x, glu, limit, act, s)
                                  : moe_fc1_kind<WKind::kNVFP4>(t, ids, np, top_k, x, glu, limit, act, s);
@@ -739,7 +738,7 @@ bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pair
 
 bool launch_moe_fc2_fp4(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                         const float* act, float* y, cudaStream_t s) {
-  if (!fp4_ok(t.kind) || !t.fp4_vec_ok || t.d_expert % 16 != 0 || n_tokens < 1 || top_k > 64) return false;
+  if (!fp4_ok(t.kind) || !t.vec_ok || t.d_expert % 16 != 0 || n_tokens < 1 || top_k > 64) return false;
   const int nt = static_cast<int>(std::min<int64_t>(n_tokens, 1 << 30));
   return t.kind == WKind::kMXFP4 ? moe_fc2_kind<WKind::kMXFP4>(t, ids, weights, nt, top_k, act, y, s)
                                  : moe_fc2_kind<WKind::kNVFP4>(t, ids, weights, nt, top_k, act, y, s);

@@ -109,7 +109,6 @@ struct Region {
 struct ExpertDev {
   cuda::ExpertTable table;
   Tensor fc1, fc2;      // the DevWeight arrays, device memory
-  bool vec_ok = true;   // every expert's rows are 16-byte aligned (the grouped GEMM's cp.async needs it)
 };
 
 // Token counts from which the tensor-core GEMMs beat the GEMV kernels (bench/gemm_bench.cu, crossover
@@ -635,11 +634,13 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   auto it = experts.find(key);
   if (it != experts.end()) return it->second;
   ExpertDev d;
+  cuda::ExpertTable& t = d.table;
   std::vector<DevWeight> fc1, fc2;
+  t.vec_ok = true;
   for (int e = 0; e < ex.n_experts; ++e) {
     fc1.push_back(dev_weight(ex.fc1[e]));
     fc2.push_back(dev_weight(ex.fc2[e]));
-    d.vec_ok = d.vec_ok && fc1.back().vec_ok && fc2.back().vec_ok;
+    t.vec_ok = t.vec_ok && fc1.back().vec_ok && fc2.back().vec_ok;
     NB_CHECK(fc1.back().kind == fc1[0].kind && fc2.back().kind == fc1[0].kind,
              "moe_experts: every expert projection must share one format");
   }
@@ -649,7 +650,6 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   CUDA_CHECK(cudaMemcpyAsync(d.fc1.data<uint8_t>(), fc1.data(), bytes, cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaMemcpyAsync(d.fc2.data<uint8_t>(), fc2.data(), bytes, cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // once per layer, at the first forward
-  cuda::ExpertTable& t = d.table;
   t.fc1 = reinterpret_cast<const DevWeight*>(d.fc1.data<uint8_t>());
   t.fc2 = reinterpret_cast<const DevWeight*>(d.fc2.data<uint8_t>());
   t.kind = fc1[0].kind;
@@ -658,8 +658,6 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   t.d_model = static_cast<int>(ex.fc1[0].k);
   t.fc1_bias = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
   t.fc2_bias = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
-  t.fp4_vec_ok = true;  // the FP4 tensor-core kernels need every expert's rows 16-byte aligned
-  for (int e = 0; e < ex.n_experts; ++e) t.fp4_vec_ok = t.fp4_vec_ok && fc1[e].vec_ok && fc2[e].vec_ok;
   return experts.emplace(key, std::move(d)).first->second;
 }
 
@@ -692,7 +690,7 @@ Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& routes, const Moe
   const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
   const ExpertDev& d = impl_->expert_tables(ex);
   const int min_t = impl_->options.moe_gemm_min_tokens > 0 ? impl_->options.moe_gemm_min_tokens : kMoeGemmMinTokens;
-  if (n_tokens < min_t || !d.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
+  if (n_tokens < min_t || !d.table.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
   check_f32(x, "moe_experts");
   NB_CHECK(x.dim(1) == d.table.d_model && routes.ids.dim(0) == n_tokens, "moe_experts: input " + shape_string(x.shape));
