@@ -6,7 +6,8 @@
 // Prefill: with the checkpoint's own dense format, ppN at batch 1: the time to process an N-token prompt
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
-// Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] CONFIG_DIR...
+// Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
+//        CONFIG_DIR...
 //   (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
 #include <algorithm>
 #include <chrono>
@@ -64,6 +65,7 @@ struct Args {
   int chunk = 0;  // 0: the whole prompt in one step
   double max_seconds = 20;
   bool tg = true;
+  int gemm_acts = -1;  // prefill GEMM activations: -1 the default, 0 hi + lo, 1 one fp16
   std::vector<std::string> dirs;
 };
 
@@ -82,6 +84,9 @@ Args parse(int argc, char** argv) {
       a.chunk = std::atoi(argv[++i]);
     } else if (s == "--max-seconds" && i + 1 < argc) {
       a.max_seconds = std::atof(argv[++i]);
+    } else if (s == "--gemm-acts" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      a.gemm_acts = v == "fp16" ? 1 : v == "hi-lo" ? 0 : -1;
     } else if (s == "--no-tg") {
       a.tg = false;
     } else {
@@ -107,13 +112,15 @@ double prefill_seconds(Model& model, KvCache& cache, const std::vector<int32_t>&
 }
 
 void run_prefill(const Args& args) {
-  std::printf("\nPrefill, batch 1, %s, dense format keep, default KV cache (BF16)\n\n",
-              args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step");
+  std::printf("\nPrefill, batch 1, %s, dense format keep, default KV cache (BF16), GEMM activations %s\n\n",
+              args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step",
+              args.gemm_acts < 0 ? "default" : args.gemm_acts ? "one fp16" : "hi + lo");
   std::printf("| model | prompt | steps | s | pp tok/s |\n|---|---|---|---|---|\n");
   for (const std::string& dir : args.dirs) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.dummy_weights = true;
+    if (args.gemm_acts >= 0) o.gemm_fp16_activations = args.gemm_acts == 1;
     auto m = Model::load(dir, o);
     if (!m.ok()) {
       std::printf("| %s | load failed: %s |\n", dir.c_str(), m.status().message().c_str());

@@ -2,7 +2,8 @@
 # On the GPU machine, in one call: unpack the carried Debian build deps (.deps/debs, no network
 # there), build for the local GPU's arch, run every GPU test and the benchmarks, print a short table.
 # Usage (device tool, carry [".deps"]): bash scripts/gpu-check.sh [--goldens]
-#   NIBBLE_SKIP_BENCH=1 skips the benchmarks; NIBBLE_CTEST_FILTER=regex runs only matching tests;
+#   NIBBLE_SKIP_BENCH=1 skips the benchmarks, NIBBLE_BENCHES="kernel tg pp gemm attn" picks them (below);
+#   NIBBLE_CTEST_FILTER=regex runs only matching tests;
 #   NIBBLE_BUILD_DIR (default build-gpu); NIBBLE_TARGETS="a b" builds only those targets (default all)
 #   --goldens  also re-make the committed goldens with HF transformers / tiktoken / tokenizers and
 #              leave them in $OUT/goldens.tar.gz
@@ -51,36 +52,34 @@ if [ -x "$B"/tests/golden_cuda_test ]; then
   "$B"/tests/golden_cuda_test --gtest_filter='*Nll*:*Rounded*' 2>&1 | grep -E "cuda|FAILED" | tail -12
 fi
 
-# Benchmarks (bench/): kernel projections and end-to-end tg128 with --dummy-weights; tables to $OUT.
-if [ -x "$B"/src/nibble_kernel_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
+# Benchmarks (bench/), each into $OUT and printed. NIBBLE_BENCHES picks and orders them (default: all):
+#   kernel  decode projections (nibble_kernel_bench)
+#   tg      end-to-end decode tg128 per dense format      pp      end-to-end prefill pp512/2048/8192
+#   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
+bench() {  # name, timeout, command...
+  local name=$1 limit=$2
+  shift 2
+  local t0
   t0=$(date +%s)
-  timeout 200 "$B"/src/nibble_kernel_bench >"$OUT/kernel_bench.md" 2>&1
-  result[kernel_bench]="rc=$? $(( $(date +%s) - t0 ))s"
-  cat "$OUT/kernel_bench.md"
-  t0=$(date +%s)
-  timeout 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b >"$OUT/e2e_bench.md" 2>&1
-  result[e2e_bench]="rc=$? $(( $(date +%s) - t0 ))s"
-  cat "$OUT/e2e_bench.md"
-  t0=$(date +%s)
-  timeout 240 "$B"/src/nibble_e2e_bench --no-tg --pp 512,2048,8192 --max-seconds 20 configs/gpt-oss-20b \
-    configs/gpt-oss-120b >"$OUT/e2e_pp_bench.md" 2>&1
-  result[e2e_pp_bench]="rc=$? $(( $(date +%s) - t0 ))s"
-  cat "$OUT/e2e_pp_bench.md"
+  timeout "$limit" "$@" >"$OUT/$name.md" 2>&1
+  result[$name]="rc=$? $(( $(date +%s) - t0 ))s"
+  cat "$OUT/$name.md"
+}
+if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
-fi
-# Prefill GEMMs: FP4 tensor-core GEMMs and the grouped MoE vs cuBLASLt BF16 (bench/gemm_bench.cu).
-if [ -x "$B"/src/nibble_gemm_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
-  t0=$(date +%s)
-  timeout 300 "$B"/src/nibble_gemm_bench >"$OUT/gemm_bench.md" 2>&1
-  result[gemm_bench]="rc=$? $(( $(date +%s) - t0 ))s"
-  cat "$OUT/gemm_bench.md"
-fi
-# Prefill attention (bench/attention_bench.cu).
-if [ -x "$B"/src/nibble_attention_bench ] && [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
-  t0=$(date +%s)
-  timeout 200 "$B"/src/nibble_attention_bench >"$OUT/attention_bench.md" 2>&1
-  result[attention_bench]="rc=$? $(( $(date +%s) - t0 ))s"
-  cat "$OUT/attention_bench.md"
+  for b in ${NIBBLE_BENCHES:-kernel tg pp gemm attn}; do
+    case $b in
+      kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
+      tg) bench e2e_bench 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b ;;
+      pp)
+        for acts in fp16 hi-lo; do
+          bench "e2e_pp_$acts" 150 "$B"/src/nibble_e2e_bench --no-tg --pp 512,2048,8192 --max-seconds 20 \
+            --gemm-acts "$acts" configs/gpt-oss-20b configs/gpt-oss-120b
+        done ;;
+      gemm) bench gemm_bench 300 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-} ;;
+      attn) bench attention_bench 200 "$B"/src/nibble_attention_bench ;;
+    esac
+  done
 fi
 
 echo

@@ -99,6 +99,29 @@ __device__ __forceinline__ void e2m1x8_scaled(uint32_t w, float (&out)[8]) {
 }
 inline constexpr float kE2m1Unscale = 16384.0f;  // 2^14, undoes e2m1x8_scaled's factor
 
+// A code word's 8 E2M1 codes (nibble i = element i) as 4 fp16 pairs h[i] = (element i, element i + 4),
+// each equal to e2m1 * 2^-14: the sign bit goes to fp16 bit 15 and the 3 magnitude bits to 9..11
+// (exponent 0..3, mantissa top bit), so code 1 lands on the subnormal 2^-15. 11 integer ops for 8 codes:
+// one shift + LOP3 gives, per byte, the even nibble's magnitude at bits 0..2 and its sign at bit 6
+// (`ev`), another the odd nibble's magnitude at 1..3 and sign at 7 (`od`); then each pair is one shift
+// and mask (or just the mask) away. Bits outside the mask are don't-cares throughout.
+// The selects are inline PTX: written in C++ the compiler pushes each output's mask back through the
+// shifts and ends with ~14 ops per word instead of 11.
+__device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {  // (a & mask) | (b & ~mask)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+  return r;
+}
+__device__ __forceinline__ void e2m1_word(uint32_t q, uint32_t (&h)[4]) {
+  constexpr uint32_t kMask = 0x8E008E00u;  // fp16 sign + bits 9..11, both halves
+  const uint32_t ev = select_bits(0x07070707u, q, q << 3);  // even nibble: magnitude 0..2, sign at 6
+  const uint32_t od = select_bits(0x0F0F0F0Fu, q >> 3, q);  // odd nibble: magnitude 1..3, sign at 7
+  h[0] = (ev << 9) & kMask;  // bytes 0, 2: elements 0, 4
+  h[1] = (od << 8) & kMask;  // elements 1, 5
+  h[2] = (ev << 1) & kMask;  // bytes 1, 3: elements 2, 6
+  h[3] = od & kMask;         // elements 3, 7
+}
+
 // --- fp16 activations for the tensor-core kernels (decode GEMV, prefill GEMMs) -----------------------
 // A row of x is scaled by 2^s so that max |x| lands in [2^14, 2^15) (no fp16 overflow, the lo parts stay
 // normal) and split into fp16 hi + lo (x - hi): ~22 bits, and fp16 x fp16 products are exact in fp32.

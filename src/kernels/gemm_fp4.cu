@@ -7,6 +7,9 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
+#include "kernels/gemm_fp4_wgmma.cuh"
+
+#include <cstdlib>
 
 namespace nb::cuda {
 namespace {
@@ -14,16 +17,19 @@ namespace {
 using gemm::kBN;
 using gemm::kThreads;
 
-// One warp per output row: max |x| over the row, then the row scaled by 2^s and split into fp16 hi (+ lo).
+// One warp per output row: max |x| over the row, then the row scaled by 2^s and split into fp16 hi (+ lo),
+// in the consuming tile's k order (GemmActivations).
 constexpr int kPrepWarps = 8;
 __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const float* __restrict__ x,
                                                                       const int32_t* __restrict__ gather,
                                                                       int gather_div, int rows, int k, bool split,
-                                                                      __half* __restrict__ hi, __half* __restrict__ lo,
+                                                                      bool wgmma_order, __half* __restrict__ hi,
+                                                                      __half* __restrict__ lo,
                                                                       float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= rows) return;
-  const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k);
+  const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
+  const float4* src = reinterpret_cast<const float4*>(row);
   const int groups = k / 8;
   float mx = 0.0f;
   for (int q = lane; q < groups; q += 32) {
@@ -35,6 +41,21 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   const int sh = fp16_prescale_shift(mx);
   const float pre = ldexpf(1.0f, sh);
   if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  if (wgmma_order) {
+    // Lane l writes stored positions 2l, 2l + 1 of each k-tile (one 32-bit store), which hold physical
+    // elements j and j + 4; the pad past k as zeros.
+    const int kp = wg::padded_k(k), j = wg::stored_of(2 * lane);
+    uint32_t* dh = reinterpret_cast<uint32_t*>(hi + static_cast<int64_t>(r) * kp);
+    uint32_t* dl = reinterpret_cast<uint32_t*>(lo + static_cast<int64_t>(r) * kp);
+    for (int k0 = 0; k0 < kp; k0 += wg::kBK) {
+      const float v0 = k0 + j < k ? __ldg(row + k0 + j) * pre : 0.0f;
+      const float v1 = k0 + j + 4 < k ? __ldg(row + k0 + j + 4) * pre : 0.0f;
+      const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+      dh[(k0 >> 1) + lane] = pack_half2(h0, h1);
+      if (split) dl[(k0 >> 1) + lane] = pack_half2(__float2half_rn(v0 - __half2float(h0)), __float2half_rn(v1 - __half2float(h1)));
+    }
+    return;
+  }
   uint4* dh = reinterpret_cast<uint4*>(hi + static_cast<int64_t>(r) * k);
   uint4* dl = reinterpret_cast<uint4*>(lo + static_cast<int64_t>(r) * k);
   for (int q = lane; q < groups; q += 32) {
@@ -45,6 +66,31 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
     dh[q] = h;
     if (split) dl[q] = l;
   }
+}
+
+// The sm_90a tile (gemm_fp4_wgmma.cuh): block x over 128 weight rows, y over BM tokens, two warpgroups.
+template <WKind K, int BM, bool kSplit>
+__global__ void __launch_bounds__(wg::kThreads, wg::Tile<BM, kSplit>::kMinBlocks) gemm_fp4_wgmma_kernel(const __grid_constant__ DevWeight w,
+                                                                         const __half* __restrict__ hi,
+                                                                         const __half* __restrict__ lo,
+                                                                         const float* __restrict__ unscale, int64_t lda,
+                                                                         int m, const float* __restrict__ bias,
+                                                                         float* __restrict__ y) {
+  using T = wg::Tile<BM, kSplit>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  const int n0 = blockIdx.x * wg::kBN, m0 = blockIdx.y * BM, k = w.k, n = w.n, tid = threadIdx.x;
+  const int a_rows = min(BM, m - m0);
+  if (tid < wg::kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
+  const int my_row = n0 + (tid >> 1);
+  const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[T::kAcc] = {};
+  wg::mainloop<K, T, kSplit>(smem, hi + m0 * lda, lo + m0 * lda, lda, a_rows, k, br, acc);
+  wg::epilogue<T>(acc, ci, unscale + m0, a_rows, [&](int token, int ra, int rb, float va, float vb) {
+    float* dst = y + static_cast<int64_t>(m0 + token) * n + n0;
+    if (n0 + ra < n) dst[ra] = va + (bias ? bias[n0 + ra] : 0.0f);
+    if (n0 + rb < n) dst[rb] = vb + (bias ? bias[n0 + rb] : 0.0f);
+  });
 }
 
 template <WKind K, int BM, bool kSplit>
@@ -92,9 +138,25 @@ void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const flo
   CUDA_CHECK(cudaGetLastError());
 }
 
+template <WKind K, int BM, bool kSplit>
+void gemm_wgmma_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  constexpr int smem = wg::Tile<BM, kSplit>::kSmem;
+  auto kernel = gemm_fp4_wgmma_kernel<K, BM, kSplit>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  const dim3 grid(ceil_div(w.n, wg::kBN), ceil_div(m, BM));
+  kernel<<<grid, wg::kThreads, smem, s>>>(w, a.hi, kSplit ? a.lo : a.hi, a.unscale, a.ld, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
+  if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
+    if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
+    if (pick_bm(m, w.n) == 128) return gemm_wgmma_for<K, 128, false>(w, a, m, bias, y, s);
+    return gemm_wgmma_for<K, 64, false>(w, a, m, bias, y, s);
+  }
   const bool split = mode == GemmActs::kSplit;
   if (pick_bm(m, w.n) == 128) {
     return split ? gemm_for<K, 128, true>(w, a, m, bias, y, s) : gemm_for<K, 128, false>(w, a, m, bias, y, s);
@@ -108,15 +170,33 @@ bool gemm_fp4_supports(const DevWeight& w) {
   return (w.kind == WKind::kMXFP4 || w.kind == WKind::kNVFP4) && w.vec_ok && w.k % 32 == 0 && w.n > 0;
 }
 
+bool gemm_wgmma() {
+  static const bool on = [] {
+    const char* e = std::getenv("NIBBLE_WGMMA");
+    if (e && e[0] == '0') return false;
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0) return false;
+    cudaFuncAttributes fa{};  // the sm_90a machine code is in this binary (not only another arch's)
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, gemm_fp4_wgmma_kernel<WKind::kMXFP4, 128, false>));
+    return fa.binaryVersion == 90;
+  }();
+  return on;
+}
+
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode) {
-  const int64_t half = (rows * k * 2 + 255) / 256 * 256;
+  const int64_t half = (rows * wg::padded_k(k) * 2 + 255) / 256 * 256;
   return (mode == GemmActs::kSplit ? 2 : 1) * half + rows * 4;
 }
 
 GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode) {
-  const int64_t half = (rows * k * 2 + 255) / 256 * 256;
+  const int64_t half = (rows * wg::padded_k(k) * 2 + 255) / 256 * 256;
   uint8_t* p = static_cast<uint8_t*>(buf);
   GemmActivations a;
+  a.wgmma = gemm_wgmma();
+  a.ld = a.wgmma ? wg::padded_k(k) : k;
   a.hi = reinterpret_cast<__half*>(p);
   a.lo = mode == GemmActs::kSplit ? reinterpret_cast<__half*>(p + half) : a.hi;  // kFp16: never read
   a.unscale = reinterpret_cast<float*>(p + (mode == GemmActs::kSplit ? 2 : 1) * half);
@@ -129,7 +209,7 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
            "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
   const bool split = mode == GemmActs::kSplit;
   activations_kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(
-      x, gather, gather_div, static_cast<int>(rows), k, split, out.hi, split ? out.lo : out.hi, out.unscale);
+      x, gather, gather_div, static_cast<int>(rows), k, split, out.wgmma, out.hi, split ? out.lo : out.hi, out.unscale);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -23,12 +23,20 @@ enum class GemmActs : uint8_t { kSplit, kFp16 };
 // What launch_gemm_fp4 takes: MXFP4/NVFP4 weights with 16-byte aligned rows and k % 32 == 0.
 bool gemm_fp4_supports(const DevWeight& w);
 
-// The fp16 form of activations: hi, lo [rows, k] (lo unused for kFp16) in the GEMM's k order (every 8
-// elements as 0,4,1,5,2,6,3,7), unscale [rows] = the power of two that undoes the row's scaling.
+// Whether the prefill GEMMs run the sm_90a wgmma tile (gemm_fp4_wgmma.cuh): a compute capability 9.0 GPU
+// and a binary built for sm_90a; NIBBLE_WGMMA=0 turns it off (the portable mma.sync tile then runs).
+bool gemm_wgmma();
+
+// The fp16 form of activations: hi, lo [rows, ld] (lo unused for kFp16), unscale [rows] = the power of two
+// that undoes the row's scaling. The k order is the tile's: for the portable tile every 8 elements as
+// 0,4,1,5,2,6,3,7 with ld = k; for the wgmma tile its stored order (gemm_fp4_wgmma.cuh stored_of) with k
+// padded to whole 64-wide k-tiles (zeros), ld = padded k.
 struct GemmActivations {
   __half* hi = nullptr;
   __half* lo = nullptr;
   float* unscale = nullptr;
+  int64_t ld = 0;
+  bool wgmma = false;
 };
 
 // Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).

@@ -61,29 +61,6 @@ struct Fp4Fmt<WKind::kNVFP4> {
   __device__ static float factor(uint32_t c) { return __uint_as_float((c & 0x7fu) << 20) * 0x1p120f; }
 };
 
-// A code word's 8 E2M1 codes (nibble i = element i) as 4 fp16 pairs h[i] = (element i, element i + 4),
-// each equal to e2m1 * 2^-14: the sign bit goes to fp16 bit 15 and the 3 magnitude bits to 9..11
-// (exponent 0..3, mantissa top bit), so code 1 lands on the subnormal 2^-15. 11 integer ops for 8 codes:
-// one shift + LOP3 gives, per byte, the even nibble's magnitude at bits 0..2 and its sign at bit 6
-// (`ev`), another the odd nibble's magnitude at 1..3 and sign at 7 (`od`); then each pair is one shift
-// and mask (or just the mask) away. Bits outside the mask are don't-cares throughout.
-// The selects are inline PTX: written in C++ the compiler pushes each output's mask back through the
-// shifts and ends with ~14 ops per word instead of 11.
-__device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {  // (a & mask) | (b & ~mask)
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
-  return r;
-}
-__device__ __forceinline__ void e2m1_word(uint32_t q, uint32_t (&h)[4]) {
-  constexpr uint32_t kMask = 0x8E008E00u;  // fp16 sign + bits 9..11, both halves
-  const uint32_t ev = select_bits(0x07070707u, q, q << 3);  // even nibble: magnitude 0..2, sign at 6
-  const uint32_t od = select_bits(0x0F0F0F0Fu, q >> 3, q);  // odd nibble: magnitude 1..3, sign at 7
-  h[0] = (ev << 9) & kMask;  // bytes 0, 2: elements 0, 4
-  h[1] = (od << 8) & kMask;  // elements 1, 5
-  h[2] = (ev << 1) & kMask;  // bytes 1, 3: elements 2, 6
-  h[3] = od & kMask;         // elements 3, 7
-}
-
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));

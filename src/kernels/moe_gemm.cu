@@ -10,6 +10,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
+#include "kernels/gemm_fp4_wgmma.cuh"
 
 #include <cstdlib>
 
@@ -139,6 +140,80 @@ __global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, g
   });
 }
 
+// The same two projections on the sm_90a tile (gemm_fp4_wgmma.cuh). A thread holds weight rows g and g + 8
+// of its warp's 16 (tile rows), so FC1 maps tile row c to gate (c % 16 < 8) or up of output
+// j0 + 8 (c / 16) + c % 8: the GLU meets both in one thread.
+template <WKind K, bool kSplit, int kBM>
+__global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlocks) fc1_wgmma_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+                                                                    const int32_t* __restrict__ n_tiles,
+                                                                    const int32_t* __restrict__ offsets,
+                                                                    GemmActivations a, Glu glu, float limit,
+                                                                    float* __restrict__ act) {
+  using T = wg::Tile<kBM, kSplit>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  int e, base, rows;
+  if (!tile_of<kBM>(tiles, n_tiles, offsets, e, base, rows)) return;
+  const DevWeight& w = tab.fc1[e];
+  const int d = tab.d_expert, j0 = blockIdx.x * (wg::kBN / 2), tid = threadIdx.x;
+  const bool interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+  auto j_of = [&](int c) { return j0 + 8 * (c >> 4) + (c & 7); };
+  auto row_of = [&](int c) {
+    const int j = j_of(c);
+    const bool up = (c & 15) >= 8;
+    return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
+  };
+  if (tid < wg::kBN) gemm::set_col(ci, tid, w, row_of(tid));
+  const gemm::BRow br = gemm::brow_of(w, row_of(tid >> 1), w.k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[T::kAcc] = {};
+  wg::mainloop<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
+  const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
+  const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
+  wg::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int ra, int rb, float g, float u) {
+    const int j = j_of(ra);
+    if (j >= d) return;
+    if (bias) g += bias[ci.row[ra]], u += bias[ci.row[rb]];
+    float v;
+    if (gpt_oss) {  // the same expressions as gemv.cu and the CPU reference (formats.md §2.4)
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+      v = g * sigmoidf(1.702f * g) * (u + 1.0f);
+    } else {
+      v = g * sigmoidf(g) * u;
+    }
+    act[static_cast<int64_t>(base + row) * d + j] = v;
+  });
+}
+
+template <WKind K, bool kSplit, int kBM>
+__global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlocks) fc2_wgmma_kernel(ExpertTable tab, const int2* __restrict__ tiles,
+                                                                    const int32_t* __restrict__ n_tiles,
+                                                                    const int32_t* __restrict__ offsets,
+                                                                    const int32_t* __restrict__ pair_of,
+                                                                    const float* __restrict__ weights,
+                                                                    GemmActivations a, float* __restrict__ y_slot) {
+  using T = wg::Tile<kBM, kSplit>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ gemm::ColInfo ci;
+  int e, base, rows;
+  if (!tile_of<kBM>(tiles, n_tiles, offsets, e, base, rows)) return;
+  const DevWeight& w = tab.fc2[e];
+  const int n = tab.d_model, n0 = blockIdx.x * wg::kBN, tid = threadIdx.x;
+  if (tid < wg::kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
+  const int my_row = n0 + (tid >> 1);
+  const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
+  float acc[T::kAcc] = {};
+  wg::mainloop<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
+  const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
+  wg::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int ra, int rb, float va, float vb) {
+    const float wt = weights[pair_of[base + row]];
+    float* dst = y_slot + static_cast<int64_t>(base + row) * n + n0;
+    // The weight multiplies after the bias (formats.md §2.4), as the CPU reference does.
+    if (n0 + ra < n) dst[ra] = wt * (va + (bias ? bias[n0 + ra] : 0.0f));
+    if (n0 + rb < n) dst[rb] = wt * (vb + (bias ? bias[n0 + rb] : 0.0f));
+  });
+}
+
 // y[t, c] = sum over i in choice order of y_slot[slot_of[t * top_k + i], c]; float4 per thread.
 __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* __restrict__ slot_of, int n_tokens,
                                int top_k, int n, float* __restrict__ y) {
@@ -152,6 +227,25 @@ __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* 
     s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
   }
   reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
+}
+
+template <WKind K, bool kSplit, int kBM>
+void projections_wgmma(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
+                       const MoeGemmScratch& ws, cudaStream_t s) {
+  constexpr int smem = wg::Tile<kBM, kSplit>::kSmem;
+  const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
+  auto fc1 = fc1_wgmma_kernel<K, kSplit, kBM>;
+  CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  fc1<<<dim3(ceil_div(t.d_expert, wg::kBN / 2), max_tiles), wg::kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+                                                                                    ws.x, glu, limit, ws.act);
+  CUDA_CHECK(cudaGetLastError());
+  const GemmActs mode = kSplit ? GemmActs::kSplit : GemmActs::kFp16;
+  launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
+  auto fc2 = fc2_wgmma_kernel<K, kSplit, kBM>;
+  CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  fc2<<<dim3(ceil_div(t.d_model, wg::kBN), max_tiles), wg::kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
+                                                                               ws.pair_of, weights, ws.a, ws.y_slot);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K, bool kSplit, int kBM, bool kPf = false, int kW = gemm::kWarps>
@@ -237,14 +331,26 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   const bool split = mode == GemmActs::kSplit;
   int var = variant;
   if (var < 0 || !split || t.kind != WKind::kMXFP4) var = n_pairs >= 128 * static_cast<int64_t>(t.n_experts) ? 1 : 0;
-  const int bm = var == 1 || var == 3 ? 128 : 64;
+  const int bm = ws.x.wgmma ? (!split && var == 1 ? 128 : 64) : var == 1 || var == 3 ? 128 : 64;
   group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts, bm,
                                                                   ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
                                                                   ws.n_tiles);
   CUDA_CHECK(cudaGetLastError());
   // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k.
   launch_gemm_activations(x, ws.pair_of, top_k, n_pairs, t.d_model, mode, ws.x, s);
-  if (t.kind == WKind::kMXFP4) {
+  if (ws.x.wgmma) {  // sm_90a: hi + lo on 64-token tiles, one fp16 on 64 or 128 as above
+    const bool mx = t.kind == WKind::kMXFP4;
+    if (split) {
+      mx ? projections_wgmma<WKind::kMXFP4, true, 64>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wgmma<WKind::kNVFP4, true, 64>(t, weights, n_pairs, glu, limit, ws, s);
+    } else if (bm == 128) {
+      mx ? projections_wgmma<WKind::kMXFP4, false, 128>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wgmma<WKind::kNVFP4, false, 128>(t, weights, n_pairs, glu, limit, ws, s);
+    } else {
+      mx ? projections_wgmma<WKind::kMXFP4, false, 64>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wgmma<WKind::kNVFP4, false, 64>(t, weights, n_pairs, glu, limit, ws, s);
+    }
+  } else if (t.kind == WKind::kMXFP4) {
     if (split) {
       switch (var) {
         case 1: projections<WKind::kMXFP4, true, 128, false>(t, weights, n_pairs, glu, limit, ws, s); break;

@@ -2,6 +2,8 @@
 #include "model/model.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cpu/cpu_backend.h"
 #include "base/log.h"
@@ -57,6 +59,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     co.gemm_min_tokens = options.gemm_min_tokens;
     co.moe_gemm_min_tokens = options.moe_gemm_min_tokens;
     co.gemm_fp16_activations = options.gemm_fp16_activations;
+    // NIBBLE_GEMM_ACTIVATIONS=hi-lo: the prefill GEMMs keep ~22 bits of each activation (slower).
+    if (const char* e = std::getenv("NIBBLE_GEMM_ACTIVATIONS"); e && std::string(e) == "hi-lo") co.gemm_fp16_activations = false;
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {

@@ -25,7 +25,7 @@ struct ModelOptions {
   DenseFormat dense_format = DenseFormat::kKeep;  // re-quantize dense attention projections and lm_head
   bool dummy_weights = false;                // random weights from config.json alone; no safetensors read
   int gemm_min_tokens = 0, moe_gemm_min_tokens = 0;  // prefill GEMM thresholds, see CudaBackendOptions
-  bool gemm_fp16_activations = false;               // see CudaBackendOptions
+  bool gemm_fp16_activations = true;                // see CudaBackendOptions
   int prefill_attention_min_tokens = 0;      // > 0: overrides CudaBackendOptions' (tests: 1 = tiled always)
 };
 

@@ -72,8 +72,8 @@ TEST_P(GoldenCuda, Nll) {
 }
 
 // The prompts (64 tokens) are below the default GEMM thresholds in places, so force the prefill GEMMs
-// (kernels/gemm_fp4.cu, moe_gemm.cu) for every FP4 linear and MoE layer: with hi + lo activations they
-// keep the CI bound; one fp16 per activation is reported.
+// (kernels/gemm_fp4.cu, moe_gemm.cu; on sm_90a their wgmma tile) for every FP4 linear and MoE layer: both
+// activation modes keep the CI bound (one fp16, the default, measured at 7e-3 .. 1.2e-2; hi + lo ~1.5e-4).
 TEST_P(GoldenCuda, NllThroughPrefillGemms) {
   load(DType::kF32, 1);
   const double one = chunked_nll_error({64}, {0, 1, 2, 3});
@@ -84,7 +84,7 @@ TEST_P(GoldenCuda, NllThroughPrefillGemms) {
               GetParam().c_str(), one, chunks, fp16);
   EXPECT_LT(one, kNllTolerance);
   EXPECT_LT(chunks, kNllTolerance);
-  EXPECT_TRUE(std::isfinite(fp16));
+  EXPECT_LT(fp16, kNllTolerance);
 }
 
 TEST_P(GoldenCuda, TwoSequencesOneBatch) {
