@@ -54,6 +54,15 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// The GLU of one output from its gate and up sums (biases added): gpt-oss's clamped SwiGLU or plain SiLU,
+// the same expressions as gemv.cu and the CPU reference (formats.md §2.4).
+__device__ __forceinline__ float glu_value(float g, float u, bool gpt_oss, float limit) {
+  if (!gpt_oss) return g * sigmoidf(g) * u;
+  g = fminf(g, limit);
+  u = fminf(fmaxf(u, -limit), limit);
+  return g * sigmoidf(1.702f * g) * (u + 1.0f);
+}
+
 // Which tile this block runs: (expert, its first slot, rows), or false past the listed tiles.
 template <int kBM>
 __device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tiles, const int32_t* offsets, int& e,
@@ -96,15 +105,7 @@ __global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, g
     const int j = j0 + col / 2;
     if (j >= d) return;
     if (bias) g += bias[ci.row[col]], u += bias[ci.row[col + 1]];
-    float v;
-    if (gpt_oss) {  // the same expressions as gemv.cu and the CPU reference (formats.md §2.4)
-      g = fminf(g, limit);
-      u = fminf(fmaxf(u, -limit), limit);
-      v = g * sigmoidf(1.702f * g) * (u + 1.0f);
-    } else {
-      v = g * sigmoidf(g) * u;
-    }
-    act[static_cast<int64_t>(base + row) * d + j] = v;
+    act[static_cast<int64_t>(base + row) * d + j] = glu_value(g, u, gpt_oss, limit);
   });
 }
 
@@ -173,15 +174,7 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
     const int j = j_of(ra);
     if (j >= d) return;
     if (bias) g += bias[ci.row[ra]], u += bias[ci.row[rb]];
-    float v;
-    if (gpt_oss) {  // the same expressions as gemv.cu and the CPU reference (formats.md §2.4)
-      g = fminf(g, limit);
-      u = fminf(fmaxf(u, -limit), limit);
-      v = g * sigmoidf(1.702f * g) * (u + 1.0f);
-    } else {
-      v = g * sigmoidf(g) * u;
-    }
-    act[static_cast<int64_t>(base + row) * d + j] = v;
+    act[static_cast<int64_t>(base + row) * d + j] = glu_value(g, u, gpt_oss, limit);
   });
 }
 
