@@ -116,6 +116,25 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], const uint32_t (&a)
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+__device__ __forceinline__ void wgmma_m64n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_m64n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 #else
 __device__ __forceinline__ void wgmma_fence() {}
 __device__ __forceinline__ void wgmma_commit() {}
@@ -123,33 +142,53 @@ __device__ __forceinline__ void wgmma_wait0() {}
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void wgmma_m64n128(float (&)[64], const uint32_t (&)[4], uint64_t) { __trap(); }
 __device__ __forceinline__ void wgmma_m64n64(float (&)[32], const uint32_t (&)[4], uint64_t) { __trap(); }
+__device__ __forceinline__ void wgmma_m64n32(float (&)[16], const uint32_t (&)[4], uint64_t) { __trap(); }
+__device__ __forceinline__ void wgmma_m64n16(float (&)[8], const uint32_t (&)[4], uint64_t) { __trap(); }
 #endif
 
-template <int N>
-__device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+// The first N / 2 of a thread's accumulators (tokens 0 .. N-1) += a x B: N = 16 .. 128.
+template <int N, int kAcc>
+__device__ __forceinline__ void wgmma(float (&acc)[kAcc], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(N / 2 <= kAcc);
+  float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc);
   if constexpr (N == 128) wgmma_m64n128(d, a, desc);
-  else wgmma_m64n64(d, a, desc);
+  else if constexpr (N == 64) wgmma_m64n64(d, a, desc);
+  else if constexpr (N == 32) wgmma_m64n32(d, a, desc);
+  else wgmma_m64n16(d, a, desc);
 }
 
-// This row's scale codes of k-tile kt in one word: MXFP4 blocks 2 kt, 2 kt + 1 in bytes 0, 1; NVFP4 blocks
-// 4 kt .. 4 kt + 3 in bytes 0..3; blocks past k (a half k-tile at the end) as 0, which decodes to zeros.
+// This row's scale codes of k-tile kt: MXFP4 blocks 2 kt, 2 kt + 1, NVFP4 blocks 4 kt .. 4 kt + 3 (bytes
+// b[0..]); blocks past k (a half k-tile at the end) as 0, which decodes to zeros. Kept as separate bytes
+// until pack_scales, a step later, so the loads stay in flight: combining them at once stalled every
+// k-step for a whole global-memory latency (ncu: long-scoreboard stalls; bench/NOTES.md).
 template <WKind K>
-__device__ __forceinline__ uint32_t scale_word(const gemm::BRow& br, int kt, int k) {
-  if (!br.scales) return 0u;
-  constexpr int kPer = K == WKind::kMXFP4 ? 2 : 4, kBlk = K == WKind::kMXFP4 ? 32 : 16;
-  const int b0 = kt * kPer, n_blocks = k / kBlk;
+struct ScaleBytes {
+  static constexpr int kPer = K == WKind::kMXFP4 ? 2 : 4;
+  uint32_t b[kPer];
+};
+template <WKind K>
+__device__ __forceinline__ ScaleBytes<K> load_scales(const gemm::BRow& br, int kt, int k) {
+  ScaleBytes<K> r;
+  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  const int b0 = kt * r.kPer, n_blocks = k / kBlk;
+#pragma unroll
+  for (int i = 0; i < r.kPer; ++i) r.b[i] = br.scales && b0 + i < n_blocks ? __ldg(br.scales + b0 + i) : 0u;
+  return r;
+}
+template <WKind K>
+__device__ __forceinline__ uint32_t pack_scales(const ScaleBytes<K>& s) {
   uint32_t w = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i)
-    if (b0 + i < n_blocks) w |= static_cast<uint32_t>(__ldg(br.scales + b0 + i)) << (8 * i);
+  for (int i = 0; i < s.kPer; ++i) w |= s.b[i] << (8 * i);
   return w;
 }
 
-// acc (this thread's D fragments) += over the whole k, for the block's 128 weight rows and BM tokens.
+// acc (this thread's D fragments) += over the whole k, for the block's 128 weight rows and BM tokens; the
+// wgmmas cover the first N <= BM tokens (a MoE tile whose expert has fewer rows: the rest are zeros).
 // a_hi / a_lo: the tile's first activation row, row stride lda (>= padded_k(k), stored order; lo read only
 // in kSplit); rows >= a_rows read as zero. br: the weight row of tile row threadIdx.x / 2, whose code half
 // threadIdx.x % 2 this thread brings in (even threads also its scales).
-template <WKind K, class T, bool kSplit>
+template <WKind K, class T, bool kSplit, int N = T::kRows>
 __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
                                          int64_t lda, int a_rows, int k, const gemm::BRow& br, float (&acc)[T::kAcc]) {
   constexpr int BM = T::kRows, S = T::kStages;
@@ -183,11 +222,12 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
   for (int s = 0; s < S - 1; ++s) {
     if (s < n_kt) {
       load_tile(s, s);
-      store_scales(s, my_half == 0 ? scale_word<K>(br, s, k) : 0u);
+      store_scales(s, my_half == 0 ? pack_scales<K>(load_scales<K>(br, s, k)) : 0u);
     }
     gemm::cp_async_commit();
   }
-  uint32_t pending = S - 1 < n_kt && my_half == 0 ? scale_word<K>(br, S - 1, k) : 0u;
+  ScaleBytes<K> pending{};  // the scales of the next k-tile to load, in flight
+  if (S - 1 < n_kt && my_half == 0) pending = load_scales<K>(br, S - 1, k);
 
   // This lane's weight rows (tile rows): warpgroup wg's 64, warp's 16, rows g and g + 8.
   const int row_a = (warp >> 2) * 64 + (warp & 3) * 16 + g, row_b = row_a + 8;
@@ -203,10 +243,10 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     __syncthreads();
     if (kt + S - 1 < n_kt) {
       load_tile(kt + S - 1, (kt + S - 1) % S);
-      store_scales((kt + S - 1) % S, pending);  // read after the barrier of step kt + S - 1
+      store_scales((kt + S - 1) % S, pack_scales<K>(pending));  // read after the barrier of step kt + S - 1
     }
     gemm::cp_async_commit();
-    if (kt + S < n_kt && my_half == 0) pending = scale_word<K>(br, kt + S, k);
+    if (kt + S < n_kt && my_half == 0) pending = load_scales<K>(br, kt + S, k);
 
     const int s = kt % S;
     const uint8_t* codes = code_tile(s);
@@ -236,13 +276,25 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     wgmma_fence();
 #pragma unroll
     for (int sl = 0; sl < 4; ++sl) {
-      wgmma<BM>(acc, frag[sl], sw128_desc(a_tile(s, 0) + 32 * sl));
-      if constexpr (kSplit) wgmma<BM>(acc, frag[sl], sw128_desc(a_tile(s, 1) + 32 * sl));
+      wgmma<N>(acc, frag[sl], sw128_desc(a_tile(s, 0) + 32 * sl));
+      if constexpr (kSplit) wgmma<N>(acc, frag[sl], sw128_desc(a_tile(s, 1) + 32 * sl));
     }
     wgmma_commit();
     wgmma_wait0();
   }
   gemm::cp_async_wait<0>();
+}
+
+// mainloop with the narrowest wgmma N (16, 32, 64, BM) that covers a_rows: a MoE tile is sized for the
+// experts' average rows, and many experts have fewer; N is a template argument (wgmma shapes are).
+template <WKind K, class T, bool kSplit>
+__device__ __forceinline__ void mainloop_rows(uint8_t* smem_raw, const __half* __restrict__ a_hi,
+                                              const __half* __restrict__ a_lo, int64_t lda, int a_rows, int k,
+                                              const gemm::BRow& br, float (&acc)[T::kAcc]) {
+  if (a_rows <= 16) return mainloop<K, T, kSplit, 16>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  if (a_rows <= 32) return mainloop<K, T, kSplit, 32>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  if (T::kRows == 64 || a_rows <= 64) return mainloop<K, T, kSplit, 64>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  return mainloop<K, T, kSplit, T::kRows>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
 }
 
 // Calls out(token, tile_row_a, tile_row_b, va, vb) for each of this thread's D pairs: weight rows (tile

@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
   if (tid < wg::kBN) gemm::set_col(ci, tid, w, row_of(tid));
   const gemm::BRow br = gemm::brow_of(w, row_of(tid >> 1), w.k, K == WKind::kMXFP4 ? 32 : 16);
   float acc[T::kAcc] = {};
-  wg::mainloop<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
+  wg::mainloop_rows<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
   const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
   wg::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int ra, int rb, float g, float u) {
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
   const int my_row = n0 + (tid >> 1);
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
   float acc[T::kAcc] = {};
-  wg::mainloop<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
+  wg::mainloop_rows<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
   const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
   wg::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int ra, int rb, float va, float vb) {
     const float wt = weights[pair_of[base + row]];
@@ -324,7 +324,10 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   const bool split = mode == GemmActs::kSplit;
   int var = variant;
   if (var < 0 || !split || t.kind != WKind::kMXFP4) var = n_pairs >= 128 * static_cast<int64_t>(t.n_experts) ? 1 : 0;
-  const int bm = ws.x.wgmma ? (!split && var == 1 ? 128 : 64) : var == 1 || var == 3 ? 128 : 64;
+  // wgmma: 128-row tiles from 64 rows per expert on average (the tile's wgmmas are as wide as its rows, so
+  // an expert with fewer costs no extra MMAs, and most experts then take one tile instead of two).
+  const int bm = ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
+                            : var == 1 || var == 3 ? 128 : 64;
   group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts, bm,
                                                                   ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
                                                                   ws.n_tiles);
