@@ -217,9 +217,12 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     if (my_half == 0) scale_tile(s)[my_row] = w;
   };
 
-  // Prologue: k-tiles 0 .. S-2 in flight (their scales stored directly), the scales of S-1 loading.
+  // Prologue: k-tiles 0 .. S-3 in flight (their scales stored directly), the scales of S-2 loading. The
+  // ring is refilled S - 2 steps ahead: a step's wgmmas still run while the next step meets the barrier and
+  // issues its loads, so the stage they read is reused only two steps later.
+  static_assert(S >= 3, "wgmmas in flight across a barrier need a stage of slack");
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
+  for (int s = 0; s < S - 2; ++s) {
     if (s < n_kt) {
       load_tile(s, s);
       store_scales(s, my_half == 0 ? pack_scales<K>(load_scales<K>(br, s, k)) : 0u);
@@ -227,26 +230,28 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     gemm::cp_async_commit();
   }
   ScaleBytes<K> pending{};  // the scales of the next k-tile to load, in flight
-  if (S - 1 < n_kt && my_half == 0) pending = load_scales<K>(br, S - 1, k);
+  if (S - 2 < n_kt && my_half == 0) pending = load_scales<K>(br, S - 2, k);
 
   // This lane's weight rows (tile rows): warpgroup wg's 64, warp's 16, rows g and g + 8.
   const int row_a = (warp >> 2) * 64 + (warp & 3) * 16 + g, row_b = row_a + 8;
-  // The wgmmas of a step are waited for at its end (wait_group 0). Keeping them in flight across the next
-  // step's decode (two fragment sets, wait_group 1) makes ptxas serialize them (C7513: the next fragments
-  // are written inside the pipeline stage), so the overlap comes from the other warpgroups of the SM.
+  // A step's wgmmas are waited for (wait_group 0) only when the next step's decode is about to rewrite
+  // their A fragments, after the barrier and the loads. (Two fragment sets with wait_group 1 would overlap
+  // the decode too, but ptxas serializes wgmmas whose register inputs are written while earlier ones run,
+  // C7513.)
   uint32_t frag[4][4];  // A fragments of the 4 k16 slices
   for (int kt = 0; kt < n_kt; ++kt) {
-    gemm::cp_async_wait<S - 2>();
+    gemm::cp_async_wait<S - 3>();
     fence_proxy_async();  // the cp.async writes are read next by the tensor cores (async proxy)
-    // Stage kt landed for every thread; every warpgroup's wgmmas of step kt - 1 completed, so that stage is
-    // free for k-tile kt + S - 1.
+    // Stage kt landed for every thread; every warpgroup's wgmmas of step kt - 2 completed (waited before
+    // the decode of step kt - 1), so that stage is free for k-tile kt + S - 2.
     __syncthreads();
-    if (kt + S - 1 < n_kt) {
-      load_tile(kt + S - 1, (kt + S - 1) % S);
-      store_scales((kt + S - 1) % S, pack_scales<K>(pending));  // read after the barrier of step kt + S - 1
+    if (kt + S - 2 < n_kt) {
+      load_tile(kt + S - 2, (kt + S - 2) % S);
+      store_scales((kt + S - 2) % S, pack_scales<K>(pending));  // read after the barrier of step kt + S - 2
     }
     gemm::cp_async_commit();
-    if (kt + S < n_kt && my_half == 0) pending = load_scales<K>(br, kt + S, k);
+    if (kt + S - 1 < n_kt && my_half == 0) pending = load_scales<K>(br, kt + S - 1, k);
+    wgmma_wait0();  // step kt - 1's wgmmas are done with frag
 
     const int s = kt % S;
     const uint8_t* codes = code_tile(s);
@@ -280,8 +285,8 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
       if constexpr (kSplit) wgmma<N>(acc, frag[sl], sw128_desc(a_tile(s, 1) + 32 * sl));
     }
     wgmma_commit();
-    wgmma_wait0();
   }
+  wgmma_wait0();
   gemm::cp_async_wait<0>();
 }
 
