@@ -1,6 +1,6 @@
-// See qkv_rope.cuh. One block per (head, token) over the q, k and v heads: the head's vector goes to
-// shared memory, the block sums its squares (q/k norm), then each thread rotates pairs (i, i + half)
-// and stores them: q to q_out, k and v (v unrotated) encoded into the cache slot of the token's position.
+// See qkv_rope.cuh. One warp per (token, head) over the q, k and v heads: the warp sums the head's squares
+// (q/k norm), then each lane rotates pairs (i, i + half) and stores them: q to q_out, k and v (v unrotated)
+// encoded into the cache slot of the token's position.
 #include "kernels/qkv_rope.cuh"
 
 #include "backend/backend.h"
@@ -9,50 +9,45 @@
 namespace nb::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+// One warp per (token, head): a prefill step has n_tokens x (n_heads + 2 n_kv_heads) of them (pp2048 of
+// gpt-oss: 163,840), so a block per head (128 threads, two block barriers, 32 of them busy at head_dim 64)
+// spent ~0.2 ms per layer on what is ~50 MB of traffic (measured, bench/NOTES.md). The q/k norm's sum of
+// squares is a warp reduction; the lanes read their elements twice (the second time from L1).
+constexpr int kWarps = 8;
 constexpr int kMaxHeadDim = 512;
 
 template <KvKind K>
-__global__ void __launch_bounds__(kThreads) qkv_rope_kernel(const float* __restrict__ qkv, QkvRopeShape s,
-                                                            DevBatch b, typename KvElem<K>::T* __restrict__ kc,
-                                                            typename KvElem<K>::T* __restrict__ vc,
-                                                            float* __restrict__ q_out) {
+__global__ void __launch_bounds__(kWarps * 32) qkv_rope_kernel(const float* __restrict__ qkv, QkvRopeShape s,
+                                                               DevBatch b, typename KvElem<K>::T* __restrict__ kc,
+                                                               typename KvElem<K>::T* __restrict__ vc,
+                                                               float* __restrict__ q_out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
-  __shared__ float x[kMaxHeadDim];
-  __shared__ float partial[kThreads / 32];
-  const int head = blockIdx.x, hd = s.head_dim, half = hd / 2;
-  const int64_t t = blockIdx.y;
-  const int n_all = s.n_heads + 2 * s.n_kv_heads;
+  const int n_all = s.n_heads + 2 * s.n_kv_heads, lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (item >= static_cast<int64_t>(n_all) * b.n_tokens) return;  // a whole warp
+  const int head = static_cast<int>(item % n_all), hd = s.head_dim, half = hd / 2;
+  const int64_t t = item / n_all;
   const float* src = qkv + (t * n_all + head) * hd;
   const bool is_q = head < s.n_heads, is_k = !is_q && head < s.n_heads + s.n_kv_heads, is_v = !is_q && !is_k;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < hd; i += kThreads) {
-    x[i] = src[i];
-    ss += x[i] * x[i];
-  }
   const float* norm = is_q ? s.q_norm : is_k ? s.k_norm : nullptr;
   float inv = 1.0f;
   if (norm) {
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < kThreads / 32; ++i) total += partial[i];
-    inv = rsqrtf(total / static_cast<float>(hd) + s.eps);
+    float ss = 0.0f;
+    for (int i = lane; i < hd; i += 32) ss += src[i] * src[i];
+    inv = rsqrtf(warp_sum(ss) / static_cast<float>(hd) + s.eps);
   }
-  __syncthreads();
   const int p = b.positions[t];
   using E = KvElem<K>;
   const int64_t slot = static_cast<int64_t>(b.tables[b.seq_of[t] * b.table_stride + p / kKvBlock]) * kKvBlock +
                        p % kKvBlock;
   if (is_v) {
     const int kvh = head - s.n_heads - s.n_kv_heads;
-    for (int i = threadIdx.x; i < hd; i += kThreads) vc[(slot * s.n_kv_heads + kvh) * hd + i] = E::enc(x[i]);
+    for (int i = lane; i < hd; i += 32) vc[(slot * s.n_kv_heads + kvh) * hd + i] = E::enc(src[i]);
     return;
   }
-  for (int d = threadIdx.x; d < half; d += kThreads) {
+  for (int d = lane; d < half; d += 32) {
     // rms_norm's expression, then rope's (norm_rope.cu), so the numbers match the separate ops.
-    float x1 = x[d], x2 = x[d + half];
+    float x1 = src[d], x2 = src[d + half];
     if (norm) x1 = norm[d] * (x1 * inv), x2 = norm[d + half] * (x2 * inv);
     const float angle = static_cast<float>(p) * s.inv_freq[d];
     float sn, cs;
@@ -79,7 +74,11 @@ void launch_qkv_rope_kv_write(KvKind kind, const float* qkv, const QkvRopeShape&
   NB_CHECK(s.head_dim % 2 == 0 && s.head_dim <= kMaxHeadDim && b.n_tokens >= 1 && b.n_tokens <= 65535,
            "qkv_rope_kv_write: head_dim " + std::to_string(s.head_dim) + " (even, <= 512), tokens " +
                std::to_string(b.n_tokens));
-  const dim3 grid(s.n_heads + 2 * s.n_kv_heads, static_cast<unsigned>(b.n_tokens));
+  // Decode steps (a few tokens): one warp per block, so the heads spread over as many SMs as before.
+  const int64_t items = static_cast<int64_t>(s.n_heads + 2 * s.n_kv_heads) * b.n_tokens;
+  const int warps = b.n_tokens <= 8 ? 1 : kWarps;
+  const dim3 grid(ceil_div(items, warps));
+  const int kThreads = warps * 32;
   switch (kind) {
     case KvKind::kF32:
       launch_pdl(qkv_rope_kernel<KvKind::kF32>, grid, kThreads, 0, stream, qkv, s, b, static_cast<float*>(k_cache),
