@@ -135,6 +135,22 @@ __device__ __forceinline__ void wgmma_m64n16(float (&d)[8], const uint32_t (&a)[
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+__device__ __forceinline__ void wgmma_m64n96(float (&d)[48], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+      "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 #else
 __device__ __forceinline__ void wgmma_fence() {}
 __device__ __forceinline__ void wgmma_commit() {}
@@ -142,16 +158,18 @@ __device__ __forceinline__ void wgmma_wait0() {}
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void wgmma_m64n128(float (&)[64], const uint32_t (&)[4], uint64_t) { __trap(); }
 __device__ __forceinline__ void wgmma_m64n64(float (&)[32], const uint32_t (&)[4], uint64_t) { __trap(); }
+__device__ __forceinline__ void wgmma_m64n96(float (&)[48], const uint32_t (&)[4], uint64_t) { __trap(); }
 __device__ __forceinline__ void wgmma_m64n32(float (&)[16], const uint32_t (&)[4], uint64_t) { __trap(); }
 __device__ __forceinline__ void wgmma_m64n16(float (&)[8], const uint32_t (&)[4], uint64_t) { __trap(); }
 #endif
 
-// The first N / 2 of a thread's accumulators (tokens 0 .. N-1) += a x B: N = 16 .. 128.
+// The first N / 2 of a thread's accumulators (tokens 0 .. N-1) += a x B: N = 16, 32, 64, 96, 128.
 template <int N, int kAcc>
 __device__ __forceinline__ void wgmma(float (&acc)[kAcc], const uint32_t (&a)[4], uint64_t desc) {
   static_assert(N / 2 <= kAcc);
   float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc);
   if constexpr (N == 128) wgmma_m64n128(d, a, desc);
+  else if constexpr (N == 96) wgmma_m64n96(d, a, desc);
   else if constexpr (N == 64) wgmma_m64n64(d, a, desc);
   else if constexpr (N == 32) wgmma_m64n32(d, a, desc);
   else wgmma_m64n16(d, a, desc);
@@ -290,7 +308,7 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
   gemm::cp_async_wait<0>();
 }
 
-// mainloop with the narrowest wgmma N (16, 32, 64, BM) that covers a_rows: a MoE tile is sized for the
+// mainloop with the narrowest wgmma N (16, 32, 64, 96, BM) that covers a_rows: a MoE tile is sized for the
 // experts' average rows, and many experts have fewer; N is a template argument (wgmma shapes are).
 template <WKind K, class T, bool kSplit>
 __device__ __forceinline__ void mainloop_rows(uint8_t* smem_raw, const __half* __restrict__ a_hi,
@@ -298,8 +316,13 @@ __device__ __forceinline__ void mainloop_rows(uint8_t* smem_raw, const __half* _
                                               const gemm::BRow& br, float (&acc)[T::kAcc]) {
   if (a_rows <= 16) return mainloop<K, T, kSplit, 16>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
   if (a_rows <= 32) return mainloop<K, T, kSplit, 32>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
-  if (T::kRows == 64 || a_rows <= 64) return mainloop<K, T, kSplit, 64>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
-  return mainloop<K, T, kSplit, T::kRows>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  if constexpr (T::kRows == 64) {
+    return mainloop<K, T, kSplit, 64>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  } else {
+    if (a_rows <= 64) return mainloop<K, T, kSplit, 64>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+    if (a_rows <= 96) return mainloop<K, T, kSplit, 96>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+    return mainloop<K, T, kSplit, T::kRows>(smem_raw, a_hi, a_lo, lda, a_rows, k, br, acc);
+  }
 }
 
 // Calls out(token, tile_row_a, tile_row_b, va, vb) for each of this thread's D pairs: weight rows (tile
