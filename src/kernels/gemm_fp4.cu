@@ -126,27 +126,28 @@ int pick_bm(int64_t m, int n) {
   return blocks >= 2 * sms ? 128 : 64;
 }
 
-template <WKind K, int BM, bool kSplit>
-void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  constexpr int smem = gemm::Tile<BM, kSplit>::kSmem;
-  auto kernel = gemm_fp4_kernel<K, BM, kSplit>;
+// Opts `kernel` in to `smem` bytes of dynamic shared memory (the whole carveout, so that two blocks fit per
+// SM where the device has room) and launches it over (128-row weight tiles, bm-token tiles).
+template <class Kernel, class... Args>
+void launch_tiles(Kernel kernel, int threads, int smem, int bm, const DevWeight& w, int64_t m, cudaStream_t s,
+                  Args... args) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // The whole carveout as shared memory, so that two blocks fit per SM where the device has room.
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  const dim3 grid(ceil_div(w.n, kBN), ceil_div(m, BM));
-  kernel<<<grid, kThreads, smem, s>>>(w, a.hi, kSplit ? a.lo : a.hi, a.unscale, static_cast<int>(m), bias, y);
+  kernel<<<dim3(ceil_div(w.n, kBN), ceil_div(m, bm)), threads, smem, s>>>(w, args...);
   CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K, int BM, bool kSplit>
+void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  launch_tiles(gemm_fp4_kernel<K, BM, kSplit>, kThreads, gemm::Tile<BM, kSplit>::kSmem, BM, w, m, s, a.hi,
+               kSplit ? a.lo : a.hi, a.unscale, static_cast<int>(m), bias, y);
+}
+
+template <WKind K, int BM, bool kSplit>
 void gemm_wgmma_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  constexpr int smem = wg::Tile<BM, kSplit>::kSmem;
-  auto kernel = gemm_fp4_wgmma_kernel<K, BM, kSplit>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  const dim3 grid(ceil_div(w.n, wg::kBN), ceil_div(m, BM));
-  kernel<<<grid, wg::kThreads, smem, s>>>(w, a.hi, kSplit ? a.lo : a.hi, a.unscale, a.ld, static_cast<int>(m), bias, y);
-  CUDA_CHECK(cudaGetLastError());
+  static_assert(wg::kBN == kBN);
+  launch_tiles(gemm_fp4_wgmma_kernel<K, BM, kSplit>, wg::kThreads, wg::Tile<BM, kSplit>::kSmem, BM, w, m, s, a.hi,
+               kSplit ? a.lo : a.hi, a.unscale, a.ld, static_cast<int>(m), bias, y);
 }
 
 template <WKind K>

@@ -45,6 +45,12 @@ __host__ __device__ constexpr int stored_of(int p) {
   return 16 * t + (q < 4 ? q : q + 4) + 4 * b;
 }
 
+// The stored position (0..63) of physical element j (0..63) of a k-tile: the inverse of stored_of.
+__host__ __device__ constexpr int position_of(int j) {
+  const int t = j >> 4, word = (j >> 3) & 1, i = j & 3, b = (j >> 2) & 1, q = 4 * word + i;
+  return 16 * (q >> 1) + 8 * (q & 1) + 2 * t + b;
+}
+
 // BM tokens (wgmma N: 64 or 128) x 128 weight rows. Stages: [A (and lo) tiles][codes][scales], the A tiles
 // first and 1024-byte aligned (the 128B swizzle's period).
 template <int BM, bool kSplit>

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
                                                                     const int32_t* __restrict__ n_tiles,
                                                                     const int32_t* __restrict__ offsets,
                                                                     GemmActivations a, Glu glu, float limit,
-                                                                    float* __restrict__ act) {
+                                                                    float* __restrict__ act, GemmActivations out) {
   using T = wg::Tile<kBM, kSplit>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ gemm::ColInfo ci;
@@ -170,11 +170,23 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
   wg::mainloop_rows<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
   const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
+  // out.hi non-null: write FC2's fp16 activations directly (fc1_direct_ok), scaled by 2^10, in the stored order.
+  if (out.hi && blockIdx.x == 0) {
+    for (int r = tid; r < rows; r += blockDim.x) out.unscale[base + r] = 1.0f / 1024.0f;
+  }
   wg::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int ra, int rb, float g, float u) {
     const int j = j_of(ra);
     if (j >= d) return;
     if (bias) g += bias[ci.row[ra]], u += bias[ci.row[rb]];
-    act[static_cast<int64_t>(base + row) * d + j] = glu_value(g, u, gpt_oss, limit);
+    const float v = glu_value(g, u, gpt_oss, limit);
+    if (!out.hi) {
+      act[static_cast<int64_t>(base + row) * d + j] = v;
+      return;
+    }
+    const int64_t at = static_cast<int64_t>(base + row) * out.ld + (j & ~63) + wg::position_of(j & 63);
+    const __half h = __float2half_rn(v * 1024.0f);
+    out.hi[at] = h;
+    if constexpr (kSplit) out.lo[at] = __float2half_rn(v * 1024.0f - __half2float(h));
   });
 }
 
@@ -227,13 +239,18 @@ void projections_wgmma(const ExpertTable& t, const float* weights, int64_t n_pai
                        const MoeGemmScratch& ws, cudaStream_t s) {
   constexpr int smem = wg::Tile<kBM, kSplit>::kSmem;
   const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
+  // gpt-oss's clamped SwiGLU is bounded (|glu| <= limit (limit + 1) = 56), so its output goes to fp16 at a
+  // fixed 2^10 straight from the FC1 epilogue instead of through fp32 and launch_gemm_activations' per-row
+  // prescale (the same 11 significant bits for every value above 2^-24 / 2^10 * 2^14; fp16 holds 56 * 2^10).
+  const bool direct = (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) && limit > 0.0f &&
+                      limit * (limit + 1.0f) * 1024.0f < 65504.0f && t.d_expert % wg::kBK == 0;
   auto fc1 = fc1_wgmma_kernel<K, kSplit, kBM>;
   CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  fc1<<<dim3(ceil_div(t.d_expert, wg::kBN / 2), max_tiles), wg::kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,
-                                                                                    ws.x, glu, limit, ws.act);
+  fc1<<<dim3(ceil_div(t.d_expert, wg::kBN / 2), max_tiles), wg::kThreads, smem, s>>>(
+      t, ws.tiles, ws.n_tiles, ws.offsets, ws.x, glu, limit, ws.act, direct ? ws.a : GemmActivations{});
   CUDA_CHECK(cudaGetLastError());
   const GemmActs mode = kSplit ? GemmActs::kSplit : GemmActs::kFp16;
-  launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
+  if (!direct) launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, mode, ws.a, s);
   auto fc2 = fc2_wgmma_kernel<K, kSplit, kBM>;
   CUDA_CHECK(cudaFuncSetAttribute(fc2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   fc2<<<dim3(ceil_div(t.d_model, wg::kBN), max_tiles), wg::kThreads, smem, s>>>(t, ws.tiles, ws.n_tiles, ws.offsets,

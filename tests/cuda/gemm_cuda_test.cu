@@ -195,6 +195,9 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
        GluLayout::kInterleaved, true, true, 2},
       {"nvfp4 halves silu, 300 tokens x 2 on 3 experts", WeightFormat::kNVFP4, 3, 2, 300, 96, 64, GluLayout::kHalves,
        false, false, 3},
+      // gpt-oss GLU with d_ff % 64 == 0: on sm_90a FC1 writes FC2's fp16 activations itself (moe_gemm.cu).
+      {"mxfp4 halves gpt-oss, d_ff 128, 300 tokens x 2 on 4 experts", WeightFormat::kMXFP4, 4, 2, 300, 128, 128,
+       GluLayout::kHalves, true, true, 4},
   };
   for (const Case& c : cases) {
     MoeExperts ex;
