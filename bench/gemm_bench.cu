@@ -140,6 +140,7 @@ Routes random_routes(CudaBackend& g, int64_t T, int E, int top_k, uint64_t seed)
     }
   }
   Routes out{g.alloc(DType::kI32, {T, top_k}), g.upload(TensorView{w.data(), DType::kF32, {T, top_k}})};
+  CUDA_CHECK(cudaDeviceSynchronize());  // the allocation's poison / upload run on the backend's own stream
   CUDA_CHECK(cudaMemcpy(out.ids.data<int32_t>(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   return out;
 }

@@ -93,6 +93,7 @@ Weight make_weight(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int
 // A copy of a device weight whose bytes live in host memory (for the CPU reference), kept in `keep`.
 Weight host_copy(const Weight& w, std::vector<std::vector<uint8_t>>& keep) {
   Weight host = w;
+  cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
   for (WeightPart& p : host.parts) {
     for (TensorView* v : {&p.data, &p.scales}) {
       if (!v->data) continue;
@@ -378,6 +379,7 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     const std::vector<float> gw = gpu_->to_host(gr.weights);
     expect_close(cpu_.to_host(cr.weights), gw, {1e-6f}, "route weights");
     std::vector<int32_t> gids(T * top_k);
+    cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
     cudaMemcpy(gids.data(), gr.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost);
     for (int64_t i = 0; i < T * top_k; ++i) ASSERT_EQ(cr.ids.data<int32_t>()[i], gids[i]) << "route id " << i;
 
@@ -417,6 +419,7 @@ TEST_F(CudaOps, RequantizeMatchesHostEncoders) {
     ASSERT_TRUE(q.ok()) << q.status().message();
     const WeightPart& p = q->parts[0];
     std::vector<uint8_t> codes(p.data.nbytes()), scales(p.scales.nbytes());
+    cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
     cudaMemcpy(codes.data(), p.data.data, codes.size(), cudaMemcpyDeviceToHost);
     cudaMemcpy(scales.data(), p.scales.data, scales.size(), cudaMemcpyDeviceToHost);
     float amax = 0;
@@ -502,6 +505,7 @@ TEST_F(CudaOps, AddRmsNorm) {
 std::vector<float> cache_floats(const Tensor& t) {
   const int64_t n = t.numel();
   std::vector<uint8_t> raw(n * dtype_bits(t.dtype) / 8);
+  cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
   cudaMemcpy(raw.data(), t.data<uint8_t>(), raw.size(), cudaMemcpyDeviceToHost);
   std::vector<float> out(n);
   for (int64_t i = 0; i < n; ++i) {

@@ -163,6 +163,9 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
 Routes routes_on(Backend& be, const std::vector<int32_t>& ids, const std::vector<float>& wts, int64_t T, int top_k) {
   Routes r{be.alloc(DType::kI32, {T, top_k}), be.alloc(DType::kF32, {T, top_k})};
   if (dynamic_cast<CudaBackend*>(&be)) {
+    // The backend poisons new buffers on its own (non-blocking) stream: let that finish before the copies on
+    // the legacy stream, or the poison may land after the ids (a flaky trap in the grouping kernel).
+    cudaDeviceSynchronize();
     cudaMemcpy(r.ids.data<int32_t>(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(r.weights.data<float>(), wts.data(), wts.size() * 4, cudaMemcpyHostToDevice);
   } else {
