@@ -86,7 +86,11 @@ Args parse(int argc, char** argv) {
       a.max_seconds = std::atof(argv[++i]);
     } else if (s == "--gemm-acts" && i + 1 < argc) {
       const std::string v = argv[++i];
-      a.gemm_acts = v == "fp16" ? 1 : v == "hi-lo" ? 0 : -1;
+      if (v != "fp16" && v != "hi-lo") {
+        std::fprintf(stderr, "nibble_e2e_bench: error: --gemm-acts %s: expected fp16 or hi-lo\n", v.c_str());
+        std::exit(2);
+      }
+      a.gemm_acts = v == "fp16" ? 1 : 0;
     } else if (s == "--no-tg") {
       a.tg = false;
     } else {

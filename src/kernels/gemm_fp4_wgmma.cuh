@@ -1,7 +1,7 @@
 // The Hopper (sm_90a) block tile of the prefill FP4 GEMMs: the same product as gemm_fp4_tile.cuh
 // (C[tokens, weight rows] += A x W^T, W in MXFP4/NVFP4 as the checkpoint stores it), on wgmma instead of
-// mma.sync. Only the sm_90a build has it (kAvailable); the backend asks gemm_wgmma() and otherwise runs
-// the portable tile (GB10 and other sm_12x GPUs always do).
+// mma.sync. Only the sm_90a build has its instructions (other arches compile traps); the backend asks
+// gemm_wgmma() and otherwise runs the portable tile (GB10 and other sm_12x GPUs always do).
 //
 // Roles. wgmma multiplies a 64-row A from registers by an N-column B from shared memory. The weights are
 // A: each warpgroup (4 warps) owns 64 weight rows of the block's 128 and decodes them from their codes
@@ -25,12 +25,6 @@
 #include "kernels/gemm_fp4_tile.cuh"
 
 namespace nb::cuda::wg {
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-inline constexpr bool kAvailable = true;
-#else
-inline constexpr bool kAvailable = false;
-#endif
 
 constexpr int kBN = 128;  // weight rows per block: two warpgroups of 64
 constexpr int kBK = 64;   // k per pipeline stage

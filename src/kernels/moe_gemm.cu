@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
   wg::mainloop_rows<K, T, kSplit>(smem, a.hi + base * a.ld, a.lo + base * a.ld, a.ld, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
   const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
-  // out.hi non-null: write FC2's fp16 activations directly (fc1_direct_ok), scaled by 2^10, in the stored order.
+  // out.hi non-null: write FC2's fp16 activations directly, scaled by 2^10, in the stored order
+  // (projections_wgmma decides when that is exact enough).
   if (out.hi && blockIdx.x == 0) {
     for (int r = tid; r < rows; r += blockDim.x) out.unscale[base + r] = 1.0f / 1024.0f;
   }
@@ -241,7 +242,8 @@ void projections_wgmma(const ExpertTable& t, const float* weights, int64_t n_pai
   const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
   // gpt-oss's clamped SwiGLU is bounded (|glu| <= limit (limit + 1) = 56), so its output goes to fp16 at a
   // fixed 2^10 straight from the FC1 epilogue instead of through fp32 and launch_gemm_activations' per-row
-  // prescale (the same 11 significant bits for every value above 2^-24 / 2^10 * 2^14; fp16 holds 56 * 2^10).
+  // prescale: 56 * 2^10 fits fp16, and every value above 2^-24 (fp16's normal range 2^-14, over 2^10)
+  // keeps all 11 significant bits, as with the per-row prescale.
   const bool direct = (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) && limit > 0.0f &&
                       limit * (limit + 1.0f) * 1024.0f < 65504.0f && t.d_expert % wg::kBK == 0;
   auto fc1 = fc1_wgmma_kernel<K, kSplit, kBM>;

@@ -38,6 +38,11 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
     : config_(std::move(config)), checkpoint_(std::move(checkpoint)), backend_(std::move(backend)) {}
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
+  // NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits, slower); checked on
+  // every backend so that a misspelt value is an error, not a silently ignored setting.
+  const char* gemm_acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
+  if (gemm_acts && std::string(gemm_acts) != "fp16" && std::string(gemm_acts) != "hi-lo")
+    return error(std::string("NIBBLE_GEMM_ACTIVATIONS=") + gemm_acts + ": expected fp16 or hi-lo");
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).
@@ -59,8 +64,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     co.gemm_min_tokens = options.gemm_min_tokens;
     co.moe_gemm_min_tokens = options.moe_gemm_min_tokens;
     co.gemm_fp16_activations = options.gemm_fp16_activations;
-    // NIBBLE_GEMM_ACTIVATIONS=hi-lo: the prefill GEMMs keep ~22 bits of each activation (slower).
-    if (const char* e = std::getenv("NIBBLE_GEMM_ACTIVATIONS"); e && std::string(e) == "hi-lo") co.gemm_fp16_activations = false;
+    if (gemm_acts) co.gemm_fp16_activations = std::string(gemm_acts) == "fp16";
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {

@@ -19,8 +19,9 @@ MODELS = ROOT / "tests" / "data" / "models"
 MODEL_NAMES = sorted(p.name for p in MODELS.iterdir() if (p / "reference.json").exists()) if MODELS.exists() else []
 
 
-def nibble(*args, stdin=None, check=True):
-    proc = subprocess.run([NIBBLE, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=600)
+def nibble(*args, stdin=None, check=True, env=None):
+    proc = subprocess.run([NIBBLE, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=600,
+                          env=None if env is None else {**os.environ, **env})
     if check and proc.returncode != 0:
         raise AssertionError(f"nibble {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
     return proc
@@ -137,3 +138,14 @@ def test_dummy_weights_from_config_alone(name, tmp_path):
 def test_dummy_weights_in_help():
     for cmd in ("run", "eval", "serve"):
         assert "--dummy-weights" in nibble(cmd, "--help").stdout, cmd
+
+
+def test_gemm_activations_env_is_checked():
+    """NIBBLE_GEMM_ACTIVATIONS takes fp16 or hi-lo (CUDA prefill GEMMs); a misspelt value is a one-line
+    error on any backend instead of a silently ignored setting."""
+    model = ROOT / "models" / "default"
+    args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
+    assert_one_line_error(nibble(*args, check=False, env={"NIBBLE_GEMM_ACTIVATIONS": "hilo"}),
+                          "NIBBLE_GEMM_ACTIVATIONS=hilo", "fp16 or hi-lo")
+    for ok in ("fp16", "hi-lo"):
+        assert len(nibble(*args, env={"NIBBLE_GEMM_ACTIVATIONS": ok}).stdout.split()) == 2
