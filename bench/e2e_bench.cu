@@ -7,6 +7,7 @@
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
 // Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
+//                         [--dense-formats keep,fp8,mxfp4,nvfp4]
 //        CONFIG_DIR...
 //   (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
 #include <algorithm>
@@ -66,6 +67,7 @@ struct Args {
   double max_seconds = 20;
   bool tg = true;
   int gemm_acts = -1;  // prefill GEMM activations: -1 the default, 0 hi + lo, 1 one fp16
+  std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
 
@@ -91,6 +93,22 @@ Args parse(int argc, char** argv) {
         std::exit(2);
       }
       a.gemm_acts = v == "fp16" ? 1 : 0;
+    } else if (s == "--dense-formats" && i + 1 < argc) {
+      a.dense.clear();
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t e = std::min(list.find(',', p), list.size());
+        const std::string name = list.substr(p, e - p);
+        bool found = false;
+        for (DenseFormat f : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4})
+          if (name == dense_format_name(f)) a.dense.push_back(f), found = true;
+        if (!found) {
+          std::fprintf(stderr, "nibble_e2e_bench: error: --dense-formats: unknown format '%s' (keep, fp8, mxfp4, nvfp4)\n",
+                       name.c_str());
+          std::exit(2);
+        }
+        p = e + 1;
+      }
     } else if (s == "--no-tg") {
       a.tg = false;
     } else {
@@ -191,7 +209,7 @@ void run_decode(const Args& args, double bw) {
   std::printf("|---|---|---|---|---|---|---|\n");
   constexpr int kSteps = 128;
   for (const std::string& dir : args.dirs) {
-    for (DenseFormat dense : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4}) {
+    for (DenseFormat dense : args.dense) {
       ModelOptions o;
       o.device = Device::kCuda;
       o.dummy_weights = true;

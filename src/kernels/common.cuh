@@ -138,6 +138,13 @@ __device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
+// a * b on fp16x2 bit patterns, round to nearest.
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // One octet v (already scaled) -> its hi and lo halves in the octet order above.
 __device__ __forceinline__ void split_octet(const float (&v)[8], uint4& hi, uint4& lo) {
   uint32_t h[4], l[4];

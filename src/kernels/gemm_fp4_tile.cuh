@@ -101,11 +101,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
+using nb::cuda::hmul2;  // (common.cuh; the wgmma tile names it gemm::hmul2)
 
 // fp16 bits of 2^(e - 127) for an E8M0 code: exact for exponents in [-24, 15], 0 below, inf above, NaN for 0xFF.
 __device__ __forceinline__ uint32_t e8m0_half_bits(uint32_t e) {

@@ -483,6 +483,7 @@ void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* b
   // FP4 at decode batch sizes: the tensor-core kernel (no per-element fp16 -> fp32 conversion, which caps
   // the kernels below at ~40 % of the read bandwidth; see gemv_fp4.cu). It declines unaligned rows and
   // m > 8, which keep the CUDA-core path (per-element fallback, token chunks of 4).
+  if (launch_linear_fp4_stream(w, x, m, bias, y, s)) return;  // one token: contiguous row streaming
   if (launch_linear_fp4_mma(w, x, m, bias, y, s)) return;
   switch (w.kind) {
     case WKind::kBF16:
@@ -503,6 +504,7 @@ void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* b
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x, Glu glu,
                     float limit, float* act, cudaStream_t s) {
   NB_CHECK(n_pairs >= 1 && t.d_expert > 0, "moe_fc1: bad shapes");
+  if (launch_moe_fc1_fp4_stream(t, ids, n_pairs, top_k, x, glu, limit, act, s)) return;
   if (launch_moe_fc1_fp4(t, ids, n_pairs, top_k, x, glu, limit, act, s)) return;
   const int np = static_cast<int>(n_pairs);
   switch (t.kind) {
@@ -518,6 +520,7 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                     const float* act, float* y, cudaStream_t s) {
   NB_CHECK(n_tokens >= 1 && t.d_model > 0, "moe_fc2: bad shapes");
+  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, s)) return;
   if (launch_moe_fc2_fp4(t, ids, weights, n_tokens, top_k, act, y, s)) return;
   const int nt = static_cast<int>(n_tokens);
   switch (t.kind) {

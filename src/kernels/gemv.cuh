@@ -20,6 +20,12 @@ void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* b
 bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                            cudaStream_t s);
 
+// The row-streaming FP4 paths for one token (gemv_fp4_stream.cu): linear at m = 1 and the MoE projections
+// of a single token; k % 32 == 0, 16-byte aligned rows. Tried first; false (nothing launched) otherwise.
+// NIBBLE_FP4_STREAM=0 turns them off (benchmark knob).
+bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
+                              cudaStream_t s);
+
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 
 // All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.
@@ -46,5 +52,9 @@ bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pair
                         Glu glu, float limit, float* act, cudaStream_t s);
 bool launch_moe_fc2_fp4(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                         const float* act, float* y, cudaStream_t s);
+bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
+                               Glu glu, float limit, float* act, cudaStream_t s);
+bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
+                               int top_k, const float* act, float* y, cudaStream_t s);
 
 }  // namespace nb::cuda

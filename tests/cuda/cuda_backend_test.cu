@@ -29,9 +29,10 @@ using test::HostBytes;
 using test::randn;
 using test::rng;
 
-// A random weight [n, k] in `format`, n split into `parts` parts (NVFP4 parts get their own global scale
-// and alternate conventions).
-Weight make_weight(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int parts = 1, DType dense = DType::kBF16) {
+// A random weight [n, k] in `format` (values ~ N(0, spread^2)), n split into `parts` parts (NVFP4 parts get
+// their own global scale and alternate conventions).
+Weight make_weight(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int parts = 1, DType dense = DType::kBF16,
+                   float spread = 0.05f) {
   Weight w;
   w.format = format;
   w.n = n;
@@ -40,7 +41,7 @@ Weight make_weight(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int
     WeightPart p;
     p.rows = n / parts + (pi == parts - 1 ? n % parts : 0);
     const int64_t rows = p.rows;
-    const std::vector<float> x = randn(rows * k, 0.05f);
+    const std::vector<float> x = randn(rows * k, spread);
     switch (format) {
       case WeightFormat::kBF16: {
         const int bytes = dtype_bits(dense) / 8;
@@ -367,11 +368,54 @@ TEST_F(CudaOps, Attention) {
 
 // Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
 // at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
+// One token through the row-streaming FP4 kernels (kernels/gemv_fp4_stream.cu): k that fills whole
+// 1024-element chunks, ends inside one (4096 + 32: one lane of the last chunk live) or is shorter than one,
+// odd and single-row weights (the second row of the last pair is a copy, never written), fused parts, and
+// MXFP4 weights whose block scales are too large to fold into fp16 (values ~N(0, 40^2): E8M0 exponents up to
+// ~8), which take the exact fp32 path; NVFP4 at every part convention. x beyond and below fp16's range.
+TEST_F(CudaOps, LinearFp4OneTokenStream) {
+  struct Case {
+    WeightFormat f;
+    int64_t n, k;
+    int parts;
+    float spread;
+  };
+  const Case cases[] = {
+      {WeightFormat::kMXFP4, 70, 2880, 1, 0.05f}, {WeightFormat::kMXFP4, 33, 4128, 2, 0.05f},
+      {WeightFormat::kMXFP4, 1, 64, 1, 0.05f},    {WeightFormat::kMXFP4, 3000, 1024, 3, 0.05f},
+      {WeightFormat::kMXFP4, 21, 2048, 1, 40.0f}, {WeightFormat::kMXFP4, 9, 96, 1, 3.0f},
+      {WeightFormat::kNVFP4, 70, 2880, 2, 0.05f}, {WeightFormat::kNVFP4, 33, 4128, 3, 0.05f},
+      {WeightFormat::kNVFP4, 1, 32, 1, 0.05f},    {WeightFormat::kNVFP4, 3000, 1024, 2, 40.0f},
+  };
+  for (const Case& c : cases) {
+    const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, DType::kBF16, c.spread);
+    upload(w);
+    const std::vector<float> bias = randn(c.n);
+    for (int rep = 0; rep < 3; ++rep) {
+      std::vector<float> x = randn(c.k);
+      if (rep == 1) for (float& v : x) v *= 3e4f;
+      if (rep == 2) for (float& v : x) v *= 1e-6f;
+      Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
+      const bool with_bias = rep != 1;
+      const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {1, c.k}), w, with_bias ? &cb : nullptr));
+      const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {1, c.k}), w, with_bias ? &gb : nullptr));
+      std::vector<float> tol = linear_tol(x, w, 1);
+      for (float& t : tol) t += 1e-6f;
+      expect_close(want, got, tol,
+                   std::string("stream ") + weight_format_name(c.f) + " n " + std::to_string(c.n) + " k " +
+                       std::to_string(c.k) + " parts " + std::to_string(c.parts) + " spread " +
+                       std::to_string(c.spread) + " rep " + std::to_string(rep));
+    }
+  }
+}
+
 TEST_F(CudaOps, MoeRouteAndExperts) {
-  for (int variant = 0; variant < 5; ++variant) {
+  // Variants 0, 5 and 6 route one token (the row-streaming kernels: MXFP4 small, NVFP4 and MXFP4 with k that
+  // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs).
+  for (int variant = 0; variant < 7; ++variant) {
     const int E = 8, top_k = variant >= 3 ? 4 : 3;
     const int d_model = variant >= 3 ? 640 : 64, d_ff = variant >= 3 ? 352 : 96;
-    const int64_t T = variant == 2 ? 5 : variant >= 3 ? 3 : 1 + variant;
+    const int64_t T = variant == 2 ? 5 : variant >= 5 ? 1 : variant >= 3 ? 3 : 1 + variant;
     const std::vector<float> logits = randn(T * E);
     const RouterKind kind = variant % 3 == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
     const Routes cr = cpu_.moe_route(cpu_t(logits, {T, E}), top_k, kind, variant == 1);
@@ -387,7 +431,10 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     ex.n_experts = E;
     ex.d_expert = d_ff;
     ex.layout = variant % 3 == 0 ? GluLayout::kInterleaved : GluLayout::kHalves;
-    const WeightFormat f = variant % 3 == 0 ? WeightFormat::kMXFP4 : variant % 3 == 1 ? WeightFormat::kNVFP4 : WeightFormat::kBF16;
+    const WeightFormat f = variant == 5                            ? WeightFormat::kNVFP4
+                           : variant % 3 == 0                      ? WeightFormat::kMXFP4
+                           : variant % 3 == 1                      ? WeightFormat::kNVFP4
+                                                                   : WeightFormat::kBF16;
     for (int e = 0; e < E; ++e) {
       ex.fc1.push_back(make_weight(hb_, f, 2 * d_ff, d_model, f == WeightFormat::kNVFP4 ? 2 : 1));
       ex.fc2.push_back(make_weight(hb_, f, d_model, d_ff));
