@@ -20,10 +20,12 @@
 // Activations: x * 2^s (max |x| into [2^14, 2^15)) as fp16 hi + lo (~22 bits, as gemv_fp4.cu), so the
 // products are exact in the fp32 accumulators; 2^-s comes back per output.
 //
-// Work: a warp walks row pairs (strided over all warps of the grid) chunk by chunk; each (pair, chunk)
-// is an "item" of 2 x 16 code bytes and the scale bytes per lane, and kDepth items stay in flight in a
-// register ring. The linear kernel issues its first loads before waiting for the previous kernel (the
-// weights do not depend on it), so they overlap the activation staging.
+// Work: a warp walks row pairs (strided over all warps of the grid). A "unit" is a pair (FC2: a pair and
+// one choice) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
+// template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). The
+// next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
+// issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
+// overlap the activation staging.
 #include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
@@ -34,7 +36,6 @@ namespace {
 
 constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lanes x 32
 constexpr int kWarps = 16, kThreads = kWarps * 32;
-constexpr int kDepth = 4;    // items in flight per warp
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
 
@@ -124,10 +125,10 @@ struct Fmt<WKind::kNVFP4> {
   }
 };
 
-// One item: a lane's 16 code bytes of rows r0 and r1 and their scale codes.
+// One item: a lane's 16 code bytes of rows r0 and r1 in one chunk, and their scale codes.
 struct Item {
   uint4 a, b;
-  uint32_t sa, sb;
+  uint32_t s;  // row r0's scale codes in bits 0..15, row r1's in 16..31 (MXFP4: one byte each, NVFP4: two)
 };
 
 // Where a lane reads rows r0 and r1 (chunk 0).
@@ -148,36 +149,41 @@ __device__ __forceinline__ Rows lane_rows(const DevPart& pa, int ra, const DevPa
   return r;
 }
 
-template <WKind K>
-__device__ __forceinline__ void load_item(const Rows& r, int c, int k, Item& it) {
-  using F = Fmt<K>;
+// A unit's NC items: every chunk of rows r0 and r1. Lanes past the end of the last chunk get zero codes
+// (their staged activations are zeros too).
+template <WKind K, int NC>
+__device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) {
   const int lane = threadIdx.x & 31;
-  if (c * kChunk + lane * 32 >= k) {  // past the row's end: zero codes (the B side reads staged zeros)
-    it.a = it.b = make_uint4(0, 0, 0, 0);
-    it.sa = it.sb = 127u;
-    return;
-  }
-  it.a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
-  it.b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
-  if constexpr (K == WKind::kMXFP4) {
-    it.sa = __ldg(r.scales[0] + c * 32);
-    it.sb = __ldg(r.scales[1] + c * 32);
-  } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
-    it.sa = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64));
-    it.sb = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64));
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    if (c == NC - 1 && c * kChunk + lane * 32 >= k) {
+      it[c].a = it[c].b = make_uint4(0, 0, 0, 0);
+      it[c].s = 127u | 127u << 16;
+      continue;
+    }
+    it[c].a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
+    it[c].b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
+    if constexpr (K == WKind::kMXFP4) {
+      it[c].s = __ldg(r.scales[0] + c * 32) | static_cast<uint32_t>(__ldg(r.scales[1] + c * 32)) << 16;
+    } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
+      it[c].s = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64)) |
+                static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64))) << 16;
+    }
   }
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& c, int w) { return w == 0 ? c.x : w == 1 ? c.y : w == 2 ? c.z : c.w; }
 
-// acc += this item's products (rows r0, r1 against the lane's staged activations `xs` of the item's
-// chunk: hi planes at xs, lo planes at xs + half). Blocks the fold cannot hold go through `exact`.
+// acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
+// chunk: hi planes at xs, lo planes at xs + half); two accumulator sets halve the HMMA dependency chain.
+// Blocks the fold cannot hold go through `exact` instead.
 template <WKind K>
-__device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, float (&acc)[4],
+__device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, float (&acc)[2][4],
                                              float (&exact)[2]) {
   using F = Fmt<K>;
   const int lane = threadIdx.x & 31;
-  if (F::too_large(it.sa, it.sb)) {  // warp-uniform, rare: fp32 products with the true block factors
+  const uint32_t sa = it.s & 0xffffu, sb = it.s >> 16;
+  if (F::too_large(sa, sb)) {  // warp-uniform, rare: fp32 products with the true block factors
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
@@ -193,17 +199,17 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
       float wa[8], wb[8];
       e2m1x8_scaled(word(it.a, w), wa);
       e2m1x8_scaled(word(it.b, w), wb);
-      float sa = 0.0f, sb = 0.0f;
+      float da = 0.0f, db = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sa = fmaf(wa[i], xv[i], sa), sb = fmaf(wb[i], xv[i], sb);
-      exact[0] = fmaf(sa, F::factor(it.sa, w / 2), exact[0]);
-      exact[1] = fmaf(sb, F::factor(it.sb, w / 2), exact[1]);
+      for (int i = 0; i < 8; ++i) da = fmaf(wa[i], xv[i], da), db = fmaf(wb[i], xv[i], db);
+      exact[0] = fmaf(da, F::factor(sa, w / 2), exact[0]);
+      exact[1] = fmaf(db, F::factor(sb, w / 2), exact[1]);
     }
     return;
   }
   uint32_t fa[2], fb[2];
-  F::folds(it.sa, fa);
-  F::folds(it.sb, fb);
+  F::folds(sa, fa);
+  F::folds(sb, fb);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
@@ -214,72 +220,61 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
     for (int i = 0; i < 4; ++i) ha[i] = hmul2(ha[i], fa[w / 2]), hb[i] = hmul2(hb[i], fb[w / 2]);
     // Slice 2w + s: pairs 2s and 2s + 1 of the word (k positions 2t.. and 2t + 8.. of the slice).
     const uint32_t a0[4] = {ha[0], hb[0], ha[1], hb[1]}, a1[4] = {ha[2], hb[2], ha[3], hb[3]};
-    mma_f16_16816(acc, a0, h.x, h.y);
-    mma_f16_16816(acc, a0, l.x, l.y);
-    mma_f16_16816(acc, a1, h.z, h.w);
-    mma_f16_16816(acc, a1, l.z, l.w);
+    float(&c)[4] = acc[w / 2];
+    mma_f16_16816(c, a0, h.x, h.y);
+    mma_f16_16816(c, a0, l.x, l.y);
+    mma_f16_16816(c, a1, h.z, h.w);
+    mma_f16_16816(c, a1, l.z, l.w);
   }
 }
 
-// The two rows' dots from the accumulators (the diagonal entries, lane t == g / 2) plus the exact-path
-// sums, on every lane.
-__device__ __forceinline__ void row_sums(const float (&acc)[4], const float (&exact)[2], float& v0, float& v1) {
+// The two rows' dots: the diagonal accumulator entries (lane t == g / 2 holds C[g][g] and C[g + 8][g])
+// plus the exact-path sums, reduced over the warp in 6 shuffles (the halves of the warp sum one row each,
+// then swap). v0, v1 on every lane.
+__device__ __forceinline__ void pair_sums(const float (&acc)[2][4], const float (&exact)[2], float& v0, float& v1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const bool diag = t == (g >> 1);
-  v0 = exact[0] + (diag ? (g & 1 ? acc[1] : acc[0]) : 0.0f);
-  v1 = exact[1] + (diag ? (g & 1 ? acc[3] : acc[2]) : 0.0f);
-  v0 = warp_sum(v0);
-  v1 = warp_sum(v1);
+  const bool diag = t == (g >> 1), odd = g & 1, upper = lane & 16;
+  const float r0 = exact[0] + (diag ? (odd ? acc[0][1] + acc[1][1] : acc[0][0] + acc[1][0]) : 0.0f);
+  const float r1 = exact[1] + (diag ? (odd ? acc[0][3] + acc[1][3] : acc[0][2] + acc[1][2]) : 0.0f);
+  float keep = upper ? r1 : r0;
+  keep += __shfl_xor_sync(0xffffffffu, upper ? r0 : r1, 16);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) keep += __shfl_xor_sync(0xffffffffu, keep, o);
+  const float other = __shfl_xor_sync(0xffffffffu, keep, 16);
+  v0 = upper ? other : keep;
+  v1 = upper ? keep : other;
 }
+
+// A unit of work: row pair p and sub-unit `sub` (FC2's choice; 0 elsewhere).
+struct Unit {
+  int p, sub;
+};
 
 // The walk shared by the three kernels. `op` says how many row pairs there are (op.n_pairs), how many
-// sub-units each pair has (op.subs: FC2's choices, else 1), where a (pair, sub) reads (op.rows) and what
-// happens with its two dots (op.finish, called on every lane). Warps stride over the pairs.
-template <WKind K, class Op>
-__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, bool loads_started, Item (&ring)[kDepth],
-                                     int n_items, int first_pair) {
-  const int stride = gridDim.x * kWarps, nc = n_chunks(k), half = nc * 4 * 32, words = row_words(k);
-  // Load cursor: the item kDepth ahead of the compute cursor.
-  int lp = first_pair, ls = 0, lc = 0;
-  Rows lr = op.rows(lp, 0);
-  auto advance_load = [&] {
-    if (++lc < nc) return;
-    lc = 0;
-    if (++ls == op.subs) ls = 0, lp += stride;
-    if (lp < op.n_pairs) lr = op.rows(lp, ls);
+// sub-units each pair has (op.subs), where a unit reads (op.rows) and what happens with its two dots
+// (op.finish, on every lane). Warps stride over the pairs; `cur` holds the first unit's items (the caller
+// loads them, the linear kernel before waiting for the previous kernel). The next unit's loads go out
+// before the current unit's math: NC items per warp stay in flight.
+template <WKind K, int NC, class Op>
+__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
+  const int stride = gridDim.x * kWarps, words = row_words(k);
+  Item nxt[NC];
+  auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
+    const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
+    const bool more = un.p < op.n_pairs;
+    if (more) load_unit<K, NC>(op.rows(un), k, next);
+    float acc[2][4] = {}, exact[2] = {};
+    const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, acc, exact);
+    float v0, v1;
+    pair_sums(acc, exact, v0, v1);
+    op.finish(u, v0, v1);
+    u = un;
+    return more;
   };
-  if (!loads_started) {
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j)
-      if (j < n_items) load_item<K>(lr, lc, k, ring[j]), advance_load();
-  } else {
-    for (int j = 0; j < kDepth && j < n_items; ++j) advance_load();
+  while (step(cur, nxt) && step(nxt, cur)) {
   }
-  int cp = first_pair, cs = 0, cc = 0;  // compute cursor; sub-unit cs reads staged activation row cs
-  float acc[4] = {}, exact[2] = {};
-  for (int i0 = 0; i0 < n_items; i0 += kDepth) {
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j) {
-      const int i = i0 + j;
-      if (i >= n_items) break;
-      compute_item<K>(ring[j], planes + static_cast<size_t>(cs) * words + cc * 4 * 32, half, acc, exact);
-      if (i + kDepth < n_items) load_item<K>(lr, lc, k, ring[j]), advance_load();
-      if (++cc == nc) {
-        float v0, v1;
-        row_sums(acc, exact, v0, v1);
-        op.finish(cp, cs, v0, v1);
-        acc[0] = acc[1] = acc[2] = acc[3] = exact[0] = exact[1] = 0.0f;
-        cc = 0;
-        if (++cs == op.subs) cs = 0, cp += stride;
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ int items_of(int n_pairs, int first, int subs, int nc) {
-  const int stride = gridDim.x * kWarps;
-  const int pairs = first < n_pairs ? (n_pairs - first + stride - 1) / stride : 0;
-  return pairs * subs * nc;
 }
 
 template <WKind K>
@@ -295,50 +290,39 @@ struct LinearOp {
   float* y;
   float unscale;
   int n_pairs, subs = 1;
-  __device__ Rows rows(int p, int) const {
-    int ra = 2 * p, rb = min(2 * p + 1, w.n - 1);
+  __device__ Rows rows(Unit u) const {
+    int ra = 2 * u.p, rb = min(2 * u.p + 1, w.n - 1);
     const DevPart& pa = find_part(w, ra);
     const DevPart& pb = find_part(w, rb);
     return lane_rows<K>(pa, ra, pb, rb, w.k);
   }
-  __device__ void finish(int p, int, float v0, float v1) const {
-    if ((threadIdx.x & 31) != 0) return;
-    for (int r = 2 * p; r < min(2 * p + 2, w.n); ++r) {
-      int rr = r;
-      const float v = (r == 2 * p ? v0 : v1) * unscale * post<K>(find_part(w, rr));
-      y[r] = v + (bias ? bias[r] : 0.0f);
-    }
+  __device__ void finish(Unit u, float v0, float v1) const {  // lane 0 writes row 2p, lane 16 row 2p + 1
+    const int lane = threadIdx.x & 31, r = 2 * u.p + (lane >> 4);
+    if ((lane & 15) != 0 || r >= w.n) return;
+    int rr = r;
+    const float v = (lane ? v1 : v0) * unscale * post<K>(find_part(w, rr));
+    y[r] = v + (bias ? bias[r] : 0.0f);
   }
 };
 
-template <WKind K>
+template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2};
-  const int first = blockIdx.x * kWarps + (threadIdx.x >> 5), nc = n_chunks(w.k);
-  const int n_items = items_of(op.n_pairs, first, 1, nc);
-  // The first items' weights stream in while the previous kernel finishes and x is staged.
-  Item ring[kDepth];
-  if (n_items > 0) {
-    Rows r = op.rows(first, 0);
-    int p = first, c = 0;
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j) {
-      if (j >= n_items) break;
-      load_item<K>(r, c, w.k, ring[j]);
-      if (++c == nc) c = 0, p += gridDim.x * kWarps, r = op.rows(min(p, op.n_pairs - 1), 0);
-    }
-  }
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  // The first unit's weights stream in while the previous kernel finishes and x is staged.
+  Item cur[NC];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
   stage_rows(x, w.k, 1, w.k, planes, red, unscale);
   op.unscale = unscale[0];
-  if (n_items > 0) walk<K>(op, w.k, planes, true, ring, n_items, first);
+  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
 }
 
-// The routed experts of the one token, copied to shared memory once (their part tables are read per pair).
+// The routed experts of the one token, copied to shared memory once (their part tables are read per unit).
 __device__ __forceinline__ void copy_experts(const DevWeight* table, const int32_t* ids, int top_k, DevWeight* dst) {
   static_assert(sizeof(DevWeight) % 4 == 0);
   constexpr int kWords = sizeof(DevWeight) / 4;
@@ -374,17 +358,17 @@ struct Fc1Op {
     const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
     ga = inter ? 2 * j : j, gb = inter ? 2 * j + 1 : d + j;
   }
-  __device__ Rows rows(int p, int) const {
+  __device__ Rows rows(Unit u) const {
     int i, j, ra, rb;
-    gate_up(p, i, j, ra, rb);
+    gate_up(u.p, i, j, ra, rb);
     const DevPart& pa = find_part(sw[i], ra);
     const DevPart& pb = find_part(sw[i], rb);
     return lane_rows<K>(pa, ra, pb, rb, tab.d_model);
   }
-  __device__ void finish(int p, int, float v0, float v1) const {
+  __device__ void finish(Unit u, float v0, float v1) const {  // lane 0: both rows
     if ((threadIdx.x & 31) != 0) return;
     int i, j, ga, gb;
-    gate_up(p, i, j, ga, gb);
+    gate_up(u.p, i, j, ga, gb);
     int ra = ga, rb = gb;
     float gate = v0 * unscale * post<K>(find_part(sw[i], ra)), up = v1 * unscale * post<K>(find_part(sw[i], rb));
     if (tab.fc1_bias) {
@@ -395,21 +379,22 @@ struct Fc1Op {
   }
 };
 
-template <WKind K>
+template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k, const float* __restrict__ x,
-                      Glu kind, float limit, float* __restrict__ act) {
+    stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
+                      const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
   extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
   pdl_wait();  // ids and x come from the previous kernels
   copy_experts(tab.fc1, ids, top_k, sw);
+  Fc1Op<K> op{sw, tab, ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  Item cur[NC];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
   stage_rows(x, tab.d_model, 1, tab.d_model, planes, red, unscale);
-  Fc1Op<K> op{sw, tab, ids, kind, limit, unscale[0], act, top_k * tab.d_expert};
-  const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int n_items = items_of(op.n_pairs, first, 1, n_chunks(tab.d_model));
-  Item ring[kDepth];
-  if (n_items > 0) walk<K>(op, tab.d_model, planes, false, ring, n_items, first);
+  op.unscale = unscale[0];
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order ---------
@@ -422,45 +407,40 @@ struct Fc2Op {
   const float* unscale;  // [top_k] in shared memory
   float* y;
   int n_pairs, subs;
-  float sum[2] = {0.0f, 0.0f};  // the current pair's rows, over the choices so far
-  __device__ Rows rows(int p, int i) const {
-    int ra = 2 * p, rb = min(2 * p + 1, tab.d_model - 1);
-    const DevPart& pa = find_part(sw[i], ra);
-    const DevPart& pb = find_part(sw[i], rb);
+  float sum = 0.0f;  // lane 0: row 2p, lane 16: row 2p + 1, over the choices so far
+  __device__ Rows rows(Unit u) const {
+    int ra = 2 * u.p, rb = min(2 * u.p + 1, tab.d_model - 1);
+    const DevPart& pa = find_part(sw[u.sub], ra);
+    const DevPart& pb = find_part(sw[u.sub], rb);
     return lane_rows<K>(pa, ra, pb, rb, tab.d_expert);
   }
-  __device__ void finish(int p, int i, float v0, float v1) {
-    if ((threadIdx.x & 31) != 0) return;  // lane 0 keeps the sums
-    const int n = tab.d_model;
-    const float wt = weights[i];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      int r = min(2 * p + q, n - 1);
-      const float bias = tab.fc2_bias ? tab.fc2_bias[static_cast<int64_t>(ids[i]) * n + r] : 0.0f;
-      const float v = (q == 0 ? v0 : v1) * unscale[i] * post<K>(find_part(sw[i], r));
-      sum[q] = (i == 0 ? 0.0f : sum[q]) + wt * (v + bias);  // weight after the bias (formats.md §2.4)
-    }
-    if (i + 1 < subs) return;
-    y[2 * p] = sum[0];
-    if (2 * p + 1 < n) y[2 * p + 1] = sum[1];
+  __device__ void finish(Unit u, float v0, float v1) {
+    const int lane = threadIdx.x & 31, n = tab.d_model, r = 2 * u.p + (lane >> 4), i = u.sub;
+    if ((lane & 15) != 0 || r >= n) return;
+    const float bias = tab.fc2_bias ? tab.fc2_bias[static_cast<int64_t>(ids[i]) * n + r] : 0.0f;
+    int rr = r;
+    const float v = (lane ? v1 : v0) * unscale[i] * post<K>(find_part(sw[i], rr));
+    sum = (i == 0 ? 0.0f : sum) + weights[i] * (v + bias);  // weight after the bias (formats.md §2.4)
+    if (i + 1 == subs) y[r] = sum;
   }
 };
 
-template <WKind K>
+template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, const float* __restrict__ weights, int top_k,
-                      const float* __restrict__ act, float* __restrict__ y) {
+    stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
+                      const float* __restrict__ weights, int top_k, const float* __restrict__ act,
+                      float* __restrict__ y) {
   extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
   pdl_wait();  // act, ids and weights come from the previous kernels
   copy_experts(tab.fc2, ids, top_k, sw);
-  stage_rows(act, tab.d_expert, top_k, tab.d_expert, planes, red, unscale);
   Fc2Op<K> op{sw, tab, ids, weights, unscale, y, (tab.d_model + 1) / 2, top_k};
-  const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int n_items = items_of(op.n_pairs, first, top_k, n_chunks(tab.d_expert));
-  Item ring[kDepth];
-  if (n_items > 0) walk<K>(op, tab.d_expert, planes, false, ring, n_items, first);
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  Item cur[NC];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  stage_rows(act, tab.d_expert, top_k, tab.d_expert, planes, red, unscale);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
 // ---- Launch ---------------------------------------------------------------------------------------------------
@@ -476,9 +456,12 @@ bool enabled() {
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
 
-// Rows of 16-byte aligned code chunks (k % 32) and, for NVFP4, 2-byte aligned scale pairs.
+// k in whole lanes (k % 32), at most kMaxChunks chunks; rows of 16-byte aligned codes and, for NVFP4,
+// 2-byte aligned scale pairs.
+constexpr int kMaxChunks = 4;
+bool shape_ok(int k) { return k % 32 == 0 && k > 0 && n_chunks(k) <= kMaxChunks; }
 bool aligned(const DevWeight& w) {
-  if (!w.vec_ok || w.k % 32 != 0) return false;
+  if (!w.vec_ok || !shape_ok(w.k)) return false;
   for (int p = 0; p < w.n_parts; ++p)
     if (w.kind == WKind::kNVFP4 && reinterpret_cast<uintptr_t>(w.part[p].scales) % 2 != 0) return false;
   return true;
@@ -492,17 +475,31 @@ int grid_for(Kernel kernel, size_t smem, int n_pairs) {
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
-  if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // (Always: static shared memory counts against the 48 KiB default too.)
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   return std::max(1, std::min(std::max(1, per_sm) * sms, ceil_div(n_pairs, kWarps)));
 }
 
+// Calls f.template operator()<NC>() with NC = the chunk count of k (1..kMaxChunks).
+template <class F>
+void with_chunks(int k, F&& f) {
+  switch (n_chunks(k)) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    default: return f.template operator()<4>();
+  }
+}
+
 template <WKind K>
 void linear(const DevWeight& w, const float* x, const float* bias, float* y, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
-  auto kernel = stream_linear_kernel<K>;
-  launch_pdl(kernel, grid_for(kernel, smem, (w.n + 1) / 2), kThreads, smem, s, w, x, bias, y);
+  with_chunks(w.k, [&]<int NC>() {
+    auto kernel = stream_linear_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, (w.n + 1) / 2), kThreads, smem, s, w, x, bias, y);
+  });
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -510,8 +507,11 @@ template <WKind K>
 void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit, float* act,
          cudaStream_t s) {
   const size_t smem = stage_bytes(1, t.d_model);
-  auto kernel = stream_fc1_kernel<K>;
-  launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu, limit, act);
+  with_chunks(t.d_model, [&]<int NC>() {
+    auto kernel = stream_fc1_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu, limit,
+               act);
+  });
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -519,13 +519,16 @@ template <WKind K>
 void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act, float* y,
          cudaStream_t s) {
   const size_t smem = stage_bytes(top_k, t.d_expert);
-  auto kernel = stream_fc2_kernel<K>;
-  launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k, act, y);
+  with_chunks(t.d_expert, [&]<int NC>() {
+    auto kernel = stream_fc2_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k, act,
+               y);
+  });
   CUDA_CHECK(cudaGetLastError());
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return enabled() && fp4(t.kind) && t.vec_ok && k % 32 == 0 && top_k >= 1 && top_k <= kMaxRows &&
+  return enabled() && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
          stage_bytes(top_k, k) <= kMaxSmem;
 }
 
@@ -533,14 +536,14 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
-  if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w) || stage_bytes(1, w.k) > kMaxSmem) return false;
+  if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
   if (w.kind == WKind::kMXFP4) linear<WKind::kMXFP4>(w, x, bias, y, s);
   else linear<WKind::kNVFP4>(w, x, bias, y, s);
   return true;
 }
 
-// The NVFP4 scale pairs of an expert table are checked on the host when the table is built (ExpertTable::vec_ok
-// covers 16-byte rows; the scales of every expert tensor start 256-byte aligned in the upload buffer).
+// Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the
+// upload buffer, so the NVFP4 scale pairs are aligned too.
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                                Glu glu, float limit, float* act, cudaStream_t s) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;

@@ -414,7 +414,8 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
   // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs).
   for (int variant = 0; variant < 7; ++variant) {
     const int E = 8, top_k = variant >= 3 ? 4 : 3;
-    const int d_model = variant >= 3 ? 640 : 64, d_ff = variant >= 3 ? 352 : 96;
+    // Variant 6 has gpt-oss's expert width: FC2 stages 4 x 2880 activations (48 KiB of shared memory).
+    const int d_model = variant == 6 ? 1088 : variant >= 3 ? 640 : 64, d_ff = variant == 6 ? 2880 : variant >= 3 ? 352 : 96;
     const int64_t T = variant == 2 ? 5 : variant >= 5 ? 1 : variant >= 3 ? 3 : 1 + variant;
     const std::vector<float> logits = randn(T * E);
     const RouterKind kind = variant % 3 == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
