@@ -202,14 +202,16 @@ __device__ __forceinline__ uint32_t pack_scales(const ScaleBytes<K>& s) {
 }
 
 // acc (this thread's D fragments) += over the whole k, for the block's 128 weight rows and BM tokens; the
-// wgmmas cover the first N <= BM tokens (a MoE tile whose expert has fewer rows: the rest are zeros).
+// wgmmas cover the first N <= BM tokens (a MoE tile whose expert has fewer rows), and only those rows of
+// the activation tile are loaded.
 // a_hi / a_lo: the tile's first activation row, row stride lda (>= padded_k(k), stored order; lo read only
 // in kSplit); rows >= a_rows read as zero. br: the weight row of tile row threadIdx.x / 2, whose code half
 // threadIdx.x % 2 this thread brings in (even threads also its scales).
 template <WKind K, class T, bool kSplit, int N = T::kRows>
 __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
                                          int64_t lda, int a_rows, int k, const gemm::BRow& br, float (&acc)[T::kAcc]) {
-  constexpr int BM = T::kRows, S = T::kStages;
+  constexpr int S = T::kStages;
+  static_assert(N % 16 == 0 && N <= T::kRows, "wgmma N: a multiple of 16, at most the tile's rows");
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int n_kt = (k + kBK - 1) / kBK;
@@ -218,9 +220,11 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
   auto scale_tile = [&](int s) { return reinterpret_cast<uint32_t*>(smem + T::kScaleOffset + s * T::kScaleBytes); };
   const int my_row = tid >> 1, my_half = tid & 1;
 
+  // Copies only the N rows the wgmmas read (no cp.async for the BM - N rows of a narrow MoE tile); N is a
+  // multiple of 16 rows, whole 8-row swizzle atoms. Rows a_rows .. N - 1 are written as zeros.
   auto load_tile = [&](int kt, int s) {
     uint4* sa = reinterpret_cast<uint4*>(a_tile(s, 0));
-    for (int c = tid; c < BM * 8; c += kThreads) {
+    for (int c = tid; c < N * 8; c += kThreads) {
       const int r = c >> 3, ch = c & 7;
       const bool ok = r < a_rows;
       const int64_t off = ok ? r * lda + kt * kBK + ch * 8 : 0;

@@ -198,6 +198,12 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
        GluLayout::kInterleaved, true, true, 2},
       {"nvfp4 halves silu, 300 tokens x 2 on 3 experts", WeightFormat::kNVFP4, 3, 2, 300, 96, 64, GluLayout::kHalves,
        false, false, 3},
+      // One expert with 2 full 128-row tiles and a partial one of 8 / 50 rows: on sm_90a wgmma N = 16 / 64
+      // inside a 128-row tile in the fp16 mode (only N rows loaded), 64-row tiles with N 16 / 64 in hi + lo.
+      {"mxfp4 interleaved gpt-oss, 264 tokens all on expert 2", WeightFormat::kMXFP4, 3, 1, 264, 64, 64,
+       GluLayout::kInterleaved, true, true, -1},
+      {"nvfp4 halves silu, 306 tokens all on expert 2", WeightFormat::kNVFP4, 3, 1, 306, 64, 64, GluLayout::kHalves,
+       false, false, -1},
       // gpt-oss GLU with d_ff % 64 == 0: on sm_90a FC1 writes FC2's fp16 activations itself (moe_gemm.cu).
       {"mxfp4 halves gpt-oss, d_ff 128, 300 tokens x 2 on 4 experts", WeightFormat::kMXFP4, 4, 2, 300, 128, 128,
        GluLayout::kHalves, true, true, 4},
