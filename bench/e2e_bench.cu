@@ -66,7 +66,7 @@ struct Args {
   int chunk = 0;  // 0: the whole prompt in one step
   double max_seconds = 20;
   bool tg = true;
-  int gemm_acts = -1;  // prefill GEMM activations: -1 the default, 0 hi + lo, 1 one fp16 (bf16 for BF16)
+  int gemm_acts = -1;  // prefill GEMM activations: -1 the default, 0 hi + lo, 1 one fp16
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
@@ -135,11 +135,8 @@ double prefill_seconds(Model& model, KvCache& cache, const std::vector<int32_t>&
 
 void run_prefill(const Args& args) {
   std::printf("\nPrefill, batch 1, %s, dense format keep, default KV cache (BF16), GEMM activations %s\n\n",
-              args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str()
-                             : "whole prompt in one step",
-              args.gemm_acts < 0 ? "default"
-              : args.gemm_acts   ? "one fp16 (bf16 for BF16 weights)"
-                                 : "hi + lo");
+              args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step",
+              args.gemm_acts < 0 ? "default" : args.gemm_acts ? "one fp16" : "hi + lo");
   std::printf("| model | prompt | steps | s (median of 3) | pp tok/s |\n|---|---|---|---|---|\n");
   for (const std::string& dir : args.dirs) {
     ModelOptions o;

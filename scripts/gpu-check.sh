@@ -51,9 +51,6 @@ grep -E "Failed|\*\*\*|Passed|skipping" "$OUT/ctest.log" | tail -30
 if [ -x "$B"/tests/golden_cuda_test ]; then
   "$B"/tests/golden_cuda_test --gtest_filter='*Nll*:*Rounded*' 2>&1 | grep -E "cuda|FAILED" | tail -12
 fi
-if [ -x "$B"/tests/cuda_backend_test ]; then  # the BF16 prefill GEMM's error per activation mode
-  "$B"/tests/cuda_backend_test --gtest_filter='*LinearBf16PrefillGemm*' 2>&1 | grep -E "BF16 prefill GEMM|FAILED"
-fi
 
 # Benchmarks (bench/), each into $OUT and printed. NIBBLE_BENCHES picks and orders them (default: all):
 #   kernel  decode projections (nibble_kernel_bench)

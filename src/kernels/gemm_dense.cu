@@ -1,4 +1,4 @@
-// cuBLASLt BF16 prefill GEMM, one bf16 per activation or split hi + lo (see gemm_dense.cuh).
+// cuBLASLt BF16 prefill GEMM with split activations (see gemm_dense.cuh).
 // Column-major view of the row-major tensors: y^T [n, m] = W [k x n col-major, op T] * x^T [k x m]; each
 // weight part (fused QKV has three) is its own GEMM writing rows [r0, r0 + rows) of y^T (ld n).
 #include "kernels/gemm_dense.cuh"
@@ -19,16 +19,15 @@ void lt_check(cublasStatus_t st, const char* what) {
   NB_CHECK(st == CUBLAS_STATUS_SUCCESS, std::string("cuBLASLt ") + what + " failed (status " + std::to_string(st) + ")");
 }
 
-// x [m, k] fp32 -> hi = bf16(x) and, with kSplit, lo = bf16(x - hi), both [m, k].
-template <bool kSplit>
-__global__ void to_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
-                               __nv_bfloat16* __restrict__ lo) {
+// x [m, k] fp32 -> hi = bf16(x), lo = bf16(x - hi), both [m, k].
+__global__ void split_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
+                                  __nv_bfloat16* __restrict__ lo) {
   pdl_wait();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const float v = x[i];
     const __nv_bfloat16 h = __float2bfloat16_rn(v);
     hi[i] = h;
-    if constexpr (kSplit) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+    lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
   }
 }
 
@@ -95,23 +94,22 @@ struct DenseGemm::Impl {
 DenseGemm::DenseGemm() : impl_(std::make_unique<Impl>()) {}
 DenseGemm::~DenseGemm() = default;
 
-void DenseGemm::run(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, GemmActs mode,
-                    void* scratch, cudaStream_t s) {
+void DenseGemm::run(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, void* scratch,
+                    cudaStream_t s) {
   NB_CHECK(supports(w) && m >= 1, "dense GEMM: unsupported weight");
   const int64_t k = w.k, n = w.n;
-  const bool split = mode == GemmActs::kSplit;
   auto* hi = static_cast<__nv_bfloat16*>(scratch);
-  __nv_bfloat16* lo = split ? hi + m * k : nullptr;
+  __nv_bfloat16* lo = hi + m * k;
   const int64_t total = m * k;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
-  launch_pdl(split ? to_bf16_kernel<true> : to_bf16_kernel<false>, blocks, 256, 0, s, x, total, hi, lo);
+  launch_pdl(split_bf16_kernel, blocks, 256, 0, s, x, total, hi, lo);
   CUDA_CHECK(cudaGetLastError());
   int64_t r0 = 0;
   for (int p = 0; p < w.n_parts; ++p) {
     const DevPart& part = w.part[p];
     float* d = y + r0;  // rows r0.. of y^T
     impl_->gemm(part.data, part.rows, k, hi, m, d, n, bias ? bias + r0 : nullptr, 0.0f, s);
-    if (split) impl_->gemm(part.data, part.rows, k, lo, m, d, n, nullptr, 1.0f, s);  // hi's result += lo's
+    impl_->gemm(part.data, part.rows, k, lo, m, d, n, nullptr, 1.0f, s);
     r0 += part.rows;
   }
 }

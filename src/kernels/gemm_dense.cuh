@@ -1,9 +1,8 @@
 // Prefill GEMM for BF16 dense weights (attention projections and lm_head kept in the checkpoint's BF16)
-// through cuBLASLt: y[m, n] = x[m, k] @ w^T + bias, fp32 accumulate (bf16 x bf16 products are exact in
-// it). The fp32 x meets the tensor cores as the backend's GemmActs mode says: kFp16 (the default) rounds
-// it to one bf16 (8 significant bits, one GEMM per weight part, as vLLM and HF run BF16 layers); kSplit
-// also keeps the remainder lo = bf16(x - hi) and runs a second GEMM on it (~16 bits of x, 2x the tensor
-// FLOPs). Either is far cheaper at prefill sizes than the GEMV path's weight re-reads (once per 4 tokens).
+// through cuBLASLt: y[m, n] = x[m, k] @ w^T + bias, with fp32 x split into bf16 hi + lo (x - hi) so
+// the result keeps ~16 bits of x (bf16 x bf16 products are exact in the fp32 accumulator). Two GEMMs
+// instead of one cost 2x the tensor FLOPs, which at prefill sizes is still far cheaper than the GEMV
+// path's weight re-reads (the weight read once per 4 tokens).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,7 +11,6 @@
 #include <memory>
 
 #include "kernels/common.cuh"
-#include "kernels/gemm_fp4.cuh"  // GemmActs
 
 namespace nb::cuda {
 
@@ -34,13 +32,10 @@ class DenseGemm {
     }
     return true;
   }
-  // Bytes of scratch `run` needs for m rows (the bf16 activations: hi, and lo for kSplit).
-  static int64_t scratch_bytes(int64_t m, int64_t k, GemmActs mode) {
-    return (mode == GemmActs::kSplit ? 2 : 1) * m * k * 2;
-  }
+  // Bytes of scratch `run` needs for m rows (the bf16 hi + lo activations).
+  static int64_t scratch_bytes(int64_t m, int64_t k) { return 2 * m * k * 2; }
   // Enqueues y = x w^T (+ bias) on `s`. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
-  void run(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, GemmActs mode,
-           void* scratch, cudaStream_t s);
+  void run(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, void* scratch, cudaStream_t s);
 
  private:
   struct Impl;

@@ -18,7 +18,6 @@ namespace nb::cuda {
 // (exact) so that its largest |x| lies in [2^14, 2^15), then rounded to fp16 (11 significant bits);
 // kSplit also keeps the rounding remainder as a second fp16 (~22 bits together) and runs a second MMA
 // on it: half the speed, about fp32 accuracy for the sums (the products fp16 x fp16 are exact in fp32).
-// The BF16 dense GEMM (gemm_dense.cuh) follows the same switch with bf16: kFp16 one bf16, kSplit hi + lo.
 enum class GemmActs : uint8_t { kSplit, kFp16 };
 
 // What launch_gemm_fp4 takes: MXFP4/NVFP4 weights with 16-byte aligned rows and k % 32 == 0.

@@ -38,8 +38,8 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
     : config_(std::move(config)), checkpoint_(std::move(checkpoint)), backend_(std::move(backend)) {}
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  // NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default: one 16-bit value, bf16 for BF16 weights)
-  // or hi-lo (two, slower); checked on every backend so that a misspelt value is an error, not ignored.
+  // NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits, slower); checked on
+  // every backend so that a misspelt value is an error, not a silently ignored setting.
   const char* gemm_acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
   if (gemm_acts && std::string(gemm_acts) != "fp16" && std::string(gemm_acts) != "hi-lo")
     return error(std::string("NIBBLE_GEMM_ACTIVATIONS=") + gemm_acts + ": expected fp16 or hi-lo");

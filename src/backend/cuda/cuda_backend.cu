@@ -497,20 +497,18 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   const int64_t m = x.numel() / w.k;
   const float* b = bias ? bias->data<float>() : nullptr;
   const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
-  const cuda::GemmActs mode =
-      impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
   if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
+    const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
     Tensor scratch = alloc(DType::kU8, {cuda::gemm_activations_bytes(m, static_cast<int>(w.k), mode)});
     const cuda::GemmActivations a = cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode);
     cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
     cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
     return out;
   }
-  if (m >= min_m && cuda::DenseGemm::supports(dw)) {  // BF16 prefill: cuBLASLt, as `mode` says
+  if (m >= min_m && cuda::DenseGemm::supports(dw)) {  // BF16 prefill: cuBLASLt, bf16 hi + lo activations
     if (!impl_->dense_gemm) impl_->dense_gemm = std::make_unique<cuda::DenseGemm>();
-    Tensor scratch = alloc(DType::kU8, {cuda::DenseGemm::scratch_bytes(m, w.k, mode)});
-    impl_->dense_gemm->run(dw, x.data<float>(), m, b, out.data<float>(), mode, scratch.data<uint8_t>(),
-                           impl_->stream);
+    Tensor scratch = alloc(DType::kU8, {cuda::DenseGemm::scratch_bytes(m, w.k)});
+    impl_->dense_gemm->run(dw, x.data<float>(), m, b, out.data<float>(), scratch.data<uint8_t>(), impl_->stream);
     return out;
   }
   cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->stream);
