@@ -1,5 +1,6 @@
 // Row-streaming FP4 GEMV for one token (decode at batch 1): the linear layers and the MoE expert
 // projections (FC1 + GLU, FC2 + weighted combine), MXFP4 and NVFP4, on the checkpoint layout as it is.
+// By default only the linear layers use it (see use() below for what was measured).
 //
 // Why another kernel (gemv_fp4.cu stays for 2..8 tokens): that one gives each lane 16 bytes of 8 rows
 // in the mma fragment layout, so a warp's load touches 16 rows x 64 bytes; a load-only test on the H200
@@ -252,25 +253,27 @@ struct Unit {
 
 // The walk shared by the three kernels. `op` says how many row pairs there are (op.n_pairs), how many
 // sub-units each pair has (op.subs), where a unit reads (op.rows) and what happens with its two dots
-// (op.finish, on every lane). Warps stride over the pairs; `cur` holds the first unit's items (the caller
-// loads them, the linear kernel before waiting for the previous kernel). The next unit's loads go out
-// before the current unit's math: NC items per warp stay in flight.
+// (op.finish, on every lane, with what op.epilogue loaded for the unit: biases). Warps stride over the
+// pairs; `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for
+// the previous kernel). The next unit's loads -- weights and epilogue values, so that no global load
+// latency is left for the finish -- go out before the current unit's math: NC items per warp in flight.
 template <WKind K, int NC, class Op>
 __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
   const int stride = gridDim.x * kWarps, words = row_words(k);
   Item nxt[NC];
+  float2 epi = op.epilogue(u), epi_next;
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
     const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
     const bool more = un.p < op.n_pairs;
-    if (more) load_unit<K, NC>(op.rows(un), k, next);
+    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);
     float acc[2][4] = {}, exact[2] = {};
     const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
 #pragma unroll
     for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, acc, exact);
     float v0, v1;
     pair_sums(acc, exact, v0, v1);
-    op.finish(u, v0, v1);
-    u = un;
+    op.finish(u, v0, v1, epi);
+    u = un, epi = epi_next;
     return more;
   };
   while (step(cur, nxt) && step(nxt, cur)) {
@@ -296,12 +299,15 @@ struct LinearOp {
     const DevPart& pb = find_part(w, rb);
     return lane_rows<K>(pa, ra, pb, rb, w.k);
   }
-  __device__ void finish(Unit u, float v0, float v1) const {  // lane 0 writes row 2p, lane 16 row 2p + 1
+  __device__ float2 epilogue(Unit u) const {
+    if (!bias) return make_float2(0.0f, 0.0f);
+    return make_float2(__ldg(bias + 2 * u.p), __ldg(bias + min(2 * u.p + 1, w.n - 1)));
+  }
+  __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: row 2p, lane 16: row 2p + 1
     const int lane = threadIdx.x & 31, r = 2 * u.p + (lane >> 4);
     if ((lane & 15) != 0 || r >= w.n) return;
     int rr = r;
-    const float v = (lane ? v1 : v0) * unscale * post<K>(find_part(w, rr));
-    y[r] = v + (bias ? bias[r] : 0.0f);
+    y[r] = (lane ? v1 : v0) * unscale * post<K>(find_part(w, rr)) + (lane ? b.y : b.x);
   }
 };
 
@@ -322,13 +328,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
 }
 
-// The routed experts of the one token, copied to shared memory once (their part tables are read per unit).
-__device__ __forceinline__ void copy_experts(const DevWeight* table, const int32_t* ids, int top_k, DevWeight* dst) {
+// The routed experts of the one token, copied to shared memory once (their part tables are read per unit),
+// with their ids and, for FC2, routing weights.
+__device__ __forceinline__ void copy_experts(const DevWeight* table, const int32_t* ids, const float* weights,
+                                             int top_k, DevWeight* dst, int* s_ids, float* s_weights) {
   static_assert(sizeof(DevWeight) % 4 == 0);
   constexpr int kWords = sizeof(DevWeight) / 4;
   for (int i = threadIdx.x; i < top_k * kWords; i += blockDim.x) {
     const int c = i / kWords, q = i % kWords;
     reinterpret_cast<uint32_t*>(dst + c)[q] = __ldg(reinterpret_cast<const uint32_t*>(table + ids[c]) + q);
+  }
+  if (threadIdx.x < top_k) {
+    s_ids[threadIdx.x] = ids[threadIdx.x];
+    if (weights) s_weights[threadIdx.x] = weights[threadIdx.x];
   }
   __syncthreads();
 }
@@ -347,7 +359,7 @@ template <WKind K>
 struct Fc1Op {
   const DevWeight* sw;  // [top_k] in shared memory
   const ExpertTable& tab;
-  const int32_t* ids;
+  const int* ids;  // [top_k] in shared memory
   Glu kind;
   float limit, unscale;
   float* act;
@@ -365,16 +377,20 @@ struct Fc1Op {
     const DevPart& pb = find_part(sw[i], rb);
     return lane_rows<K>(pa, ra, pb, rb, tab.d_model);
   }
-  __device__ void finish(Unit u, float v0, float v1) const {  // lane 0: both rows
+  __device__ float2 epilogue(Unit u) const {  // the gate and up biases
+    if (!tab.fc1_bias) return make_float2(0.0f, 0.0f);
+    int i, j, ga, gb;
+    gate_up(u.p, i, j, ga, gb);
+    const float* b = tab.fc1_bias + static_cast<int64_t>(ids[i]) * 2 * tab.d_expert;
+    return make_float2(__ldg(b + ga), __ldg(b + gb));
+  }
+  __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
     if ((threadIdx.x & 31) != 0) return;
     int i, j, ga, gb;
     gate_up(u.p, i, j, ga, gb);
     int ra = ga, rb = gb;
-    float gate = v0 * unscale * post<K>(find_part(sw[i], ra)), up = v1 * unscale * post<K>(find_part(sw[i], rb));
-    if (tab.fc1_bias) {
-      const float* b = tab.fc1_bias + static_cast<int64_t>(ids[i]) * 2 * tab.d_expert;
-      gate += b[ga], up += b[gb];
-    }
+    const float gate = v0 * unscale * post<K>(find_part(sw[i], ra)) + b.x;
+    const float up = v1 * unscale * post<K>(find_part(sw[i], rb)) + b.y;
     act[static_cast<int64_t>(i) * tab.d_expert + j] = glu(gate, up, kind, limit);
   }
 };
@@ -386,9 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
+  __shared__ int s_ids[kMaxRows];
   pdl_wait();  // ids and x come from the previous kernels
-  copy_experts(tab.fc1, ids, top_k, sw);
-  Fc1Op<K> op{sw, tab, ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
+  copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
+  Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
@@ -400,11 +417,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order ---------
 template <WKind K>
 struct Fc2Op {
-  const DevWeight* sw;  // [top_k] in shared memory
+  const DevWeight* sw;  // [top_k] in shared memory, as are ids, weights and unscale
   const ExpertTable& tab;
-  const int32_t* ids;
+  const int* ids;
   const float* weights;
-  const float* unscale;  // [top_k] in shared memory
+  const float* unscale;
   float* y;
   int n_pairs, subs;
   float sum = 0.0f;  // lane 0: row 2p, lane 16: row 2p + 1, over the choices so far
@@ -414,13 +431,17 @@ struct Fc2Op {
     const DevPart& pb = find_part(sw[u.sub], rb);
     return lane_rows<K>(pa, ra, pb, rb, tab.d_expert);
   }
-  __device__ void finish(Unit u, float v0, float v1) {
+  __device__ float2 epilogue(Unit u) const {  // the choice's biases of rows 2p, 2p + 1
+    if (!tab.fc2_bias) return make_float2(0.0f, 0.0f);
+    const float* b = tab.fc2_bias + static_cast<int64_t>(ids[u.sub]) * tab.d_model;
+    return make_float2(__ldg(b + 2 * u.p), __ldg(b + min(2 * u.p + 1, tab.d_model - 1)));
+  }
+  __device__ void finish(Unit u, float v0, float v1, float2 b) {
     const int lane = threadIdx.x & 31, n = tab.d_model, r = 2 * u.p + (lane >> 4), i = u.sub;
     if ((lane & 15) != 0 || r >= n) return;
-    const float bias = tab.fc2_bias ? tab.fc2_bias[static_cast<int64_t>(ids[i]) * n + r] : 0.0f;
     int rr = r;
     const float v = (lane ? v1 : v0) * unscale[i] * post<K>(find_part(sw[i], rr));
-    sum = (i == 0 ? 0.0f : sum) + weights[i] * (v + bias);  // weight after the bias (formats.md §2.4)
+    sum = (i == 0 ? 0.0f : sum) + weights[i] * (v + (lane ? b.y : b.x));  // weight after the bias (formats.md §2.4)
     if (i + 1 == subs) y[r] = sum;
   }
 };
@@ -433,9 +454,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
+  __shared__ int s_ids[kMaxRows];
+  __shared__ float s_weights[kMaxRows];
   pdl_wait();  // act, ids and weights come from the previous kernels
-  copy_experts(tab.fc2, ids, top_k, sw);
-  Fc2Op<K> op{sw, tab, ids, weights, unscale, y, (tab.d_model + 1) / 2, top_k};
+  copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
+  Fc2Op<K> op{sw, tab, s_ids, s_weights, unscale, y, (tab.d_model + 1) / 2, top_k};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
@@ -444,14 +467,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- Launch ---------------------------------------------------------------------------------------------------
-// NIBBLE_FP4_STREAM=0 turns these kernels off (the tensor-core kernels of gemv_fp4.cu take batch 1 then):
-// a measurement knob for the benchmarks.
-bool enabled() {
-  static const bool on = [] {
+// Where the kernels run, NIBBLE_FP4_STREAM: unset = linear layers only (measured faster there: lm_head and
+// the O projection, bench/NOTES.md; the MoE projections measured no faster than gemv_fp4.cu's, so they
+// stay there by default), 1 = linear and MoE, 0 = off. A measurement knob for the benchmarks; the CUDA
+// tests set 1 so every kernel here is checked.
+struct Use {
+  bool linear, moe;
+};
+const Use& use() {
+  static const Use u = [] {
     const char* e = std::getenv("NIBBLE_FP4_STREAM");
-    return !(e && e[0] == '0');
+    if (e && e[0] == '0') return Use{false, false};
+    if (e && e[0] == '1') return Use{true, true};
+    return Use{true, false};
   }();
-  return on;
+  return u;
 }
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
@@ -528,7 +558,7 @@ void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return enabled() && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
+  return use().moe && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
          stage_bytes(top_k, k) <= kMaxSmem;
 }
 
@@ -536,7 +566,7 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
-  if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
+  if (!use().linear || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
   if (w.kind == WKind::kMXFP4) linear<WKind::kMXFP4>(w, x, bias, y, s);
   else linear<WKind::kNVFP4>(w, x, bias, y, s);
   return true;
