@@ -1,6 +1,6 @@
 // Row-streaming FP4 GEMV for one token (decode at batch 1): the linear layers and the MoE expert
 // projections (FC1 + GLU, FC2 + weighted combine), MXFP4 and NVFP4, on the checkpoint layout as it is.
-// By default only the linear layers use it (see use() below for what was measured).
+// By default only linear layers with tall or long rows use it (see use() below for what was measured).
 //
 // Why another kernel (gemv_fp4.cu stays for 2..8 tokens): that one gives each lane 16 bytes of 8 rows
 // in the mma fragment layout, so a warp's load touches 16 rows x 64 bytes; a load-only test on the H200
@@ -467,21 +467,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- Launch ---------------------------------------------------------------------------------------------------
-// Where the kernels run, NIBBLE_FP4_STREAM: unset = linear layers only (measured faster there: lm_head and
-// the O projection, bench/NOTES.md; the MoE projections measured no faster than gemv_fp4.cu's, so they
-// stay there by default), 1 = linear and MoE, 0 = off. A measurement knob for the benchmarks; the CUDA
-// tests set 1 so every kernel here is checked.
+// Where the kernels run, NIBBLE_FP4_STREAM: unset = the linear layers with tall or long rows, where they
+// measured faster than gemv_fp4.cu (lm_head: 201088 rows, +6 / +19 points of the read bandwidth MXFP4 /
+// NVFP4; O: k 4096, +4 / +7 points; bench/NOTES.md) -- QKV (5120 x 2880) and the MoE projections measured
+// no faster, so they stay on gemv_fp4.cu; 1 = every one-token linear and MoE projection; 0 = off. A
+// measurement knob for the benchmarks; the CUDA tests set 1 so every kernel here is checked.
 struct Use {
-  bool linear, moe;
+  bool all_linear, tall_linear, moe;
 };
 const Use& use() {
   static const Use u = [] {
     const char* e = std::getenv("NIBBLE_FP4_STREAM");
-    if (e && e[0] == '0') return Use{false, false};
-    if (e && e[0] == '1') return Use{true, true};
-    return Use{true, false};
+    if (e && e[0] == '0') return Use{false, false, false};
+    if (e && e[0] == '1') return Use{true, true, true};
+    return Use{false, true, false};
   }();
   return u;
+}
+bool linear_wanted(const DevWeight& w) {
+  return use().all_linear || (use().tall_linear && (n_chunks(w.k) >= 4 || w.n >= 16384));
 }
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
@@ -566,7 +570,7 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
-  if (!use().linear || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
+  if (!fp4(w.kind) || m != 1 || !aligned(w) || !linear_wanted(w)) return false;
   if (w.kind == WKind::kMXFP4) linear<WKind::kMXFP4>(w, x, bias, y, s);
   else linear<WKind::kNVFP4>(w, x, bias, y, s);
   return true;
