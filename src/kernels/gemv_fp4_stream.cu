@@ -44,13 +44,15 @@ constexpr int kMaxSmem = 96 * 1024;
 // elements 32 l + 8 j .. + 8 of the chunk in the octet order 0 4 1 5 2 6 3 7, common.cuh), hi planes of
 // every chunk, then lo planes. A lane's loads are consecutive 16-byte words across the warp: no conflicts.
 __host__ __device__ constexpr int n_chunks(int k) { return (k + kChunk - 1) / kChunk; }
-__host__ __device__ constexpr int row_words(int k) { return 2 * n_chunks(k) * 4 * 32; }  // uint4 per staged row
+__host__ __device__ constexpr int row_words(int k) {
+  return 2 * n_chunks(k) * 4 * 32;
+}  // uint4 per staged row
 __host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
 
 // All threads: stage `rows` rows of x (row i at x + i * ld, k floats, k % 32 == 0), each with its own
 // power-of-two prescale; unscale[i] = 2^-s_i. Ends with a barrier.
-__device__ void stage_rows(const float* __restrict__ x, int64_t ld, int rows, int k, uint4* planes, float* red,
-                           float* unscale) {
+__device__ void stage_rows(const float* __restrict__ x, int64_t ld, int rows, int k, uint4* planes,
+                           float* red, float* unscale) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nc = n_chunks(k);
   __shared__ float pre[kMaxRows];
   for (int i = 0; i < rows; ++i) {
@@ -104,7 +106,9 @@ struct Fmt<WKind::kMXFP4> {
     f[0] = f[1] = pack_half2(h, h);
   }
   // Warp-uniform: does any lane's block need the exact path (2^(e - 113) overflows fp16: |w| may exceed 12)?
-  __device__ static bool too_large(uint32_t sa, uint32_t sb) { return __any_sync(0xffffffffu, (sa > 128u) | (sb > 128u)); }
+  __device__ static bool too_large(uint32_t sa, uint32_t sb) {
+    return __any_sync(0xffffffffu, (sa > 128u) | (sb > 128u));
+  }
   __device__ static float factor(uint32_t s, int) { return __uint_as_float((s & 0xffu) << 23) * 16384.0f; }
 };
 template <>
@@ -173,7 +177,9 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
   }
 }
 
-__device__ __forceinline__ uint32_t word(const uint4& c, int w) { return w == 0 ? c.x : w == 1 ? c.y : w == 2 ? c.z : c.w; }
+__device__ __forceinline__ uint32_t word(const uint4& c, int w) {
+  return w == 0 ? c.x : w == 1 ? c.y : w == 2 ? c.z : c.w;
+}
 
 // acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
 // chunk: hi planes at xs, lo planes at xs + half); two accumulator sets halve the HMMA dependency chain.
@@ -232,7 +238,8 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
 // The two rows' dots: the diagonal accumulator entries (lane t == g / 2 holds C[g][g] and C[g + 8][g])
 // plus the exact-path sums, reduced over the warp in 6 shuffles (the halves of the warp sum one row each,
 // then swap). v0, v1 on every lane.
-__device__ __forceinline__ void pair_sums(const float (&acc)[2][4], const float (&exact)[2], float& v0, float& v1) {
+__device__ __forceinline__ void pair_sums(const float (&acc)[2][4], const float (&exact)[2], float& v0,
+                                          float& v1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool diag = t == (g >> 1), odd = g & 1, upper = lane & 16;
   const float r0 = exact[0] + (diag ? (odd ? acc[0][1] + acc[1][1] : acc[0][0] + acc[1][0]) : 0.0f);
@@ -285,7 +292,8 @@ __device__ __forceinline__ float post(const DevPart& p) {
   return K == WKind::kNVFP4 ? Fmt<K>::kPost * (p.divide ? 1.0f / p.global : p.global) : 1.0f;
 }
 
-// ---- Linear: y[r] = w[r] . x (+ bias[r]) -------------------------------------------------------------------
+// ---- Linear: y[r] = w[r] . x (+ bias[r])
+// -------------------------------------------------------------------
 template <WKind K>
 struct LinearOp {
   const DevWeight& w;
@@ -354,7 +362,8 @@ __device__ __forceinline__ float glu(float g, float u, Glu kind, float limit) {
   return g / (1.0f + expf(-g)) * u;
 }
 
-// ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] -------------------------
+// ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i]
+// -------------------------
 template <WKind K>
 struct Fc1Op {
   const DevWeight* sw;  // [top_k] in shared memory
@@ -408,13 +417,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
-  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
+  if (first.p < op.n_pairs)
+    load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
   stage_rows(x, tab.d_model, 1, tab.d_model, planes, red, unscale);
   op.unscale = unscale[0];
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
-// ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order ---------
+// ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order
+// ---------
 template <WKind K>
 struct Fc2Op {
   const DevWeight* sw;  // [top_k] in shared memory, as are ids, weights and unscale
@@ -441,7 +452,8 @@ struct Fc2Op {
     if ((lane & 15) != 0 || r >= n) return;
     int rr = r;
     const float v = (lane ? v1 : v0) * unscale[i] * post<K>(find_part(sw[i], rr));
-    sum = (i == 0 ? 0.0f : sum) + weights[i] * (v + (lane ? b.y : b.x));  // weight after the bias (formats.md §2.4)
+    sum = (i == 0 ? 0.0f : sum) +
+          weights[i] * (v + (lane ? b.y : b.x));  // weight after the bias (formats.md §2.4)
     if (i + 1 == subs) y[r] = sum;
   }
 };
@@ -461,17 +473,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   Fc2Op<K> op{sw, tab, s_ids, s_weights, unscale, y, (tab.d_model + 1) / 2, top_k};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
-  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  if (first.p < op.n_pairs)
+    load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
   stage_rows(act, tab.d_expert, top_k, tab.d_expert, planes, red, unscale);
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
-// ---- Launch ---------------------------------------------------------------------------------------------------
-// Where the kernels run, NIBBLE_FP4_STREAM: unset = the linear layers with tall or long rows, where they
-// measured faster than gemv_fp4.cu (lm_head: 201088 rows, +6 / +19 points of the read bandwidth MXFP4 /
-// NVFP4; O: k 4096, +4 / +7 points; bench/NOTES.md) -- QKV (5120 x 2880) and the MoE projections measured
-// no faster, so they stay on gemv_fp4.cu; 1 = every one-token linear and MoE projection; 0 = off. A
-// measurement knob for the benchmarks; the CUDA tests set 1 so every kernel here is checked.
+// ---- Launch
+// --------------------------------------------------------------------------------------------------- Where
+// the kernels run, NIBBLE_FP4_STREAM: unset = the linear layers with tall or long rows, where they measured
+// faster than gemv_fp4.cu (lm_head: 201088 rows, +6 / +19 points of the read bandwidth MXFP4 / NVFP4; O: k
+// 4096, +4 / +7 points; bench/NOTES.md) -- QKV (5120 x 2880) and the MoE projections measured no faster, so
+// they stay on gemv_fp4.cu; 1 = every one-token linear and MoE projection; 0 = off. A measurement knob for
+// the benchmarks; the CUDA tests set 1 so every kernel here is checked.
 struct Use {
   bool all_linear, tall_linear, moe;
 };
@@ -510,7 +524,8 @@ int grid_for(Kernel kernel, size_t smem, int n_pairs) {
     return n;
   }();
   // (Always: static shared memory counts against the 48 KiB default too.)
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   return std::max(1, std::min(std::max(1, per_sm) * sms, ceil_div(n_pairs, kWarps)));
@@ -520,10 +535,14 @@ int grid_for(Kernel kernel, size_t smem, int n_pairs) {
 template <class F>
 void with_chunks(int k, F&& f) {
   switch (n_chunks(k)) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    default: return f.template operator()<4>();
+    case 1:
+      return f.template operator()<1>();
+    case 2:
+      return f.template operator()<2>();
+    case 3:
+      return f.template operator()<3>();
+    default:
+      return f.template operator()<4>();
   }
 }
 
@@ -538,25 +557,25 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, cud
 }
 
 template <WKind K>
-void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit, float* act,
-         cudaStream_t s) {
+void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
+         float* act, cudaStream_t s) {
   const size_t smem = stage_bytes(1, t.d_model);
   with_chunks(t.d_model, [&]<int NC>() {
     auto kernel = stream_fc1_kernel<K, NC>;
-    launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu, limit,
-               act);
+    launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu,
+               limit, act);
   });
   CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K>
-void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act, float* y,
-         cudaStream_t s) {
+void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
+         float* y, cudaStream_t s) {
   const size_t smem = stage_bytes(top_k, t.d_expert);
   with_chunks(t.d_expert, [&]<int NC>() {
     auto kernel = stream_fc2_kernel<K, NC>;
-    launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k, act,
-               y);
+    launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k,
+               act, y);
   });
   CUDA_CHECK(cudaGetLastError());
 }
@@ -571,26 +590,32 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
   if (!fp4(w.kind) || m != 1 || !aligned(w) || !linear_wanted(w)) return false;
-  if (w.kind == WKind::kMXFP4) linear<WKind::kMXFP4>(w, x, bias, y, s);
-  else linear<WKind::kNVFP4>(w, x, bias, y, s);
+  if (w.kind == WKind::kMXFP4)
+    linear<WKind::kMXFP4>(w, x, bias, y, s);
+  else
+    linear<WKind::kNVFP4>(w, x, bias, y, s);
   return true;
 }
 
 // Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the
 // upload buffer, so the NVFP4 scale pairs are aligned too.
-bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                               Glu glu, float limit, float* act, cudaStream_t s) {
+bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k,
+                               const float* x, Glu glu, float limit, float* act, cudaStream_t s) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;
-  if (t.kind == WKind::kMXFP4) fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, s);
-  else fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, s);
+  if (t.kind == WKind::kMXFP4)
+    fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, s);
+  else
+    fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, s);
   return true;
 }
 
-bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
-                               int top_k, const float* act, float* y, cudaStream_t s) {
+bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights,
+                               int64_t n_tokens, int top_k, const float* act, float* y, cudaStream_t s) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
-  if (t.kind == WKind::kMXFP4) fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, s);
-  else fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, s);
+  if (t.kind == WKind::kMXFP4)
+    fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, s);
+  else
+    fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, s);
   return true;
 }
 
