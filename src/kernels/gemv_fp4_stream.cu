@@ -23,11 +23,10 @@
 //
 // Work: a warp walks row pairs (strided over all warps of the grid). A "unit" is a pair (FC2: a pair and
 // one choice) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
-// template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). Each
-// warp keeps kStages - 1 units in flight: their codes go by cp.async into a per-warp ring in shared memory
-// (no registers held while in flight; a lane reads back only what it copied), their scale codes and
-// epilogue values (biases) into registers. The linear kernel issues its first units before waiting for the
-// previous kernel (the weights do not depend on it), so they overlap the activation staging.
+// template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). The
+// next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
+// issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
+// overlap the activation staging.
 #include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
@@ -39,6 +38,7 @@ namespace {
 constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lanes x 32
 constexpr int kWarps = 16, kThreads = kWarps * 32;
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
+constexpr int kMaxSmem = 96 * 1024;
 
 // Staged activations of one row: per chunk c, 4 octet planes j of 32 lanes x 16 bytes (plane j of lane l =
 // elements 32 l + 8 j .. + 8 of the chunk in the octet order 0 4 1 5 2 6 3 7, common.cuh), hi planes of
@@ -67,7 +67,7 @@ __device__ void stage_rows(const float* __restrict__ x, int64_t ld, int rows, in
   __syncthreads();
   if (threadIdx.x < rows) {
     float mx = 0.0f;
-    for (int q = 0; q < static_cast<int>(blockDim.x >> 5); ++q) mx = fmaxf(mx, red[threadIdx.x * kWarps + q]);
+    for (int q = 0; q < kWarps; ++q) mx = fmaxf(mx, red[threadIdx.x * kWarps + q]);
     const int sh = fp16_prescale_shift(mx);
     pre[threadIdx.x] = ldexpf(1.0f, sh);
     unscale[threadIdx.x] = ldexpf(1.0f, -sh);
@@ -154,36 +154,25 @@ __device__ __forceinline__ Rows lane_rows(const DevPart& pa, int ra, const DevPa
   return r;
 }
 
-// cp.async (sm_80): 16 bytes global -> shared without registers; src_bytes 0 writes zeros.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Issues a unit's NC items: the codes by cp.async into the lane's ring slot `slot` (uint4 [NC][2][32]),
-// the scale codes by plain loads into the returned words (they are consumed kStages - 1 units later, so
-// the loads are long done). Lanes past the end of the last chunk get zero codes (their staged activations
-// are zeros too) and a harmless scale.
+// A unit's NC items: every chunk of rows r0 and r1. Lanes past the end of the last chunk get zero codes
+// (their staged activations are zeros too).
 template <WKind K, int NC>
-__device__ __forceinline__ void issue_unit(const Rows& r, int k, uint4* slot, uint32_t (&s)[NC]) {
+__device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
-    const bool live = c < NC - 1 || c * kChunk + lane * 32 < k;
-    cp_async16(slot + (2 * c) * 32 + lane, live ? r.codes[0] + c * (kChunk / 2) : r.codes[0], live ? 16 : 0);
-    cp_async16(slot + (2 * c + 1) * 32 + lane, live ? r.codes[1] + c * (kChunk / 2) : r.codes[1], live ? 16 : 0);
-    if (!live) {
-      s[c] = 127u | 127u << 16;
-    } else if constexpr (K == WKind::kMXFP4) {
-      s[c] = __ldg(r.scales[0] + c * 32) | static_cast<uint32_t>(__ldg(r.scales[1] + c * 32)) << 16;
+    if (c == NC - 1 && c * kChunk + lane * 32 >= k) {
+      it[c].a = it[c].b = make_uint4(0, 0, 0, 0);
+      it[c].s = 127u | 127u << 16;
+      continue;
+    }
+    it[c].a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
+    it[c].b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
+    if constexpr (K == WKind::kMXFP4) {
+      it[c].s = __ldg(r.scales[0] + c * 32) | static_cast<uint32_t>(__ldg(r.scales[1] + c * 32)) << 16;
     } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
-      s[c] = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64)) |
-             static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64))) << 16;
+      it[c].s = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64)) |
+                static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64))) << 16;
     }
   }
 }
@@ -195,46 +184,36 @@ __device__ __forceinline__ uint32_t word(const uint4& c, int w) {
 // acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
 // chunk: hi planes at xs, lo planes at xs + half); two accumulator sets halve the HMMA dependency chain.
 // Blocks the fold cannot hold go through `exact` instead.
-// The exact path for an item whose blocks the fold cannot hold (warp-uniform, rare): fp32 products with the
-// true block factors into exact[0..1]. Out of line: the hot loop stays small enough for the instruction cache.
-template <WKind K>
-__device__ __noinline__ void exact_item(const Item& it, const uint4* xs, int half, float (&exact)[2]) {
-  using F = Fmt<K>;
-  const int lane = threadIdx.x & 31;
-  const uint32_t sa = it.s & 0xffffu, sb = it.s >> 16;
-#pragma unroll 1
-  for (int w = 0; w < 4; ++w) {
-    const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
-    float xv[8];
-    const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // octet order: word i = elements (i, i + 4)
-      float h0, h1, l0, l1;
-      half2_bits_to_float2(hw[i], h0, h1);
-      half2_bits_to_float2(lw[i], l0, l1);
-      xv[i] = h0 + l0, xv[i + 4] = h1 + l1;
-    }
-    float wa[8], wb[8];
-    e2m1x8_scaled(word(it.a, w), wa);
-    e2m1x8_scaled(word(it.b, w), wb);
-    float da = 0.0f, db = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) da = fmaf(wa[i], xv[i], da), db = fmaf(wb[i], xv[i], db);
-    exact[0] = fmaf(da, F::factor(sa, w / 2), exact[0]);
-    exact[1] = fmaf(db, F::factor(sb, w / 2), exact[1]);
-  }
-}
-
-// acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
-// chunk: hi planes at xs, lo planes at xs + half); two accumulator sets halve the HMMA dependency chain.
-// Blocks the fold cannot hold go through `exact` instead.
 template <WKind K>
 __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, float (&acc)[2][4],
                                              float (&exact)[2]) {
   using F = Fmt<K>;
   const int lane = threadIdx.x & 31;
   const uint32_t sa = it.s & 0xffffu, sb = it.s >> 16;
-  if (F::too_large(sa, sb)) return exact_item<K>(it, xs, half, exact);
+  if (F::too_large(sa, sb)) {  // warp-uniform, rare: fp32 products with the true block factors
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
+      float xv[8];
+      const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // octet order: word i = elements (i, i + 4)
+        float h0, h1, l0, l1;
+        half2_bits_to_float2(hw[i], h0, h1);
+        half2_bits_to_float2(lw[i], l0, l1);
+        xv[i] = h0 + l0, xv[i + 4] = h1 + l1;
+      }
+      float wa[8], wb[8];
+      e2m1x8_scaled(word(it.a, w), wa);
+      e2m1x8_scaled(word(it.b, w), wb);
+      float da = 0.0f, db = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) da = fmaf(wa[i], xv[i], da), db = fmaf(wb[i], xv[i], db);
+      exact[0] = fmaf(da, F::factor(sa, w / 2), exact[0]);
+      exact[1] = fmaf(db, F::factor(sb, w / 2), exact[1]);
+    }
+    return;
+  }
   uint32_t fa[2], fb[2];
   F::folds(sa, fa);
   F::folds(sb, fb);
@@ -282,87 +261,31 @@ struct Unit {
 // The walk shared by the three kernels. `op` says how many row pairs there are (op.n_pairs), how many
 // sub-units each pair has (op.subs), where a unit reads (op.rows) and what happens with its two dots
 // (op.finish, on every lane, with what op.epilogue loaded for the unit: biases). Warps stride over the
-// pairs. Each warp keeps kStages - 1 units in flight in its ring of kStages slots in shared memory: the
-// codes by cp.async (no registers held), the scale codes and epilogue values by plain loads into registers
-// that are stored into the slot one unit later (by then they have arrived). The loop body is one unit
-// (slots indexed at run time), small enough for the instruction cache: a 4x unrolled body measured slower,
-// its warps stalled on instruction fetch. Every lane reads back only what it wrote, so no warp barrier.
-constexpr int kStages = 4;
-
-// A warp's ring slot: codes uint4 [NC][2][32], then scale words uint32 [NC][32], then epilogue float2 [32].
-template <int NC>
-struct Slot {
-  static constexpr int kBytes = NC * 2 * 32 * 16 + NC * 32 * 4 + 32 * 8;
-};
-template <int NC>
-__host__ __device__ constexpr int ring_bytes() {
-  return kStages * Slot<NC>::kBytes;
-}
-
+// pairs; `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for
+// the previous kernel). The next unit's loads -- weights and epilogue values, so that no global load
+// latency is left for the finish -- go out before the current unit's math: NC items per warp in flight.
 template <WKind K, int NC, class Op>
-struct Walk {
-  Op& op;
-  int k, stride;
-  uint8_t* ring;  // this warp's kStages slots
-  Unit next;      // the next unit to issue
-  uint32_t sc[NC];  // the last issued unit's scale codes and epilogue values, not yet stored
-  float2 ep;
-  int pending = -1;  // their slot
-
-  __device__ Unit after(Unit u) const { return u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0}; }
-  __device__ uint4* codes(int slot) const { return reinterpret_cast<uint4*>(ring + slot * Slot<NC>::kBytes); }
-  __device__ uint32_t* scales(int slot) const {
-    return reinterpret_cast<uint32_t*>(ring + slot * Slot<NC>::kBytes + NC * 2 * 32 * 16);
-  }
-  __device__ float2* epis(int slot) const {
-    return reinterpret_cast<float2*>(ring + slot * Slot<NC>::kBytes + NC * 2 * 32 * 16 + NC * 32 * 4);
-  }
-  // Stores the pending unit's scale codes and epilogue values into its slot.
-  __device__ __forceinline__ void settle() {
-    if (pending < 0) return;
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
+  const int stride = gridDim.x * kWarps, words = row_words(k);
+  Item nxt[NC];
+  float2 epi = op.epilogue(u), epi_next;
+  auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
+    const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
+    const bool more = un.p < op.n_pairs;
+    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);
+    float acc[2][4] = {}, exact[2] = {};
+    const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) scales(pending)[c * 32 + lane] = sc[c];
-    epis(pending)[lane] = ep;
-    pending = -1;
+    for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, acc, exact);
+    float v0, v1;
+    pair_sums(acc, exact, v0, v1);
+    op.finish(u, v0, v1, epi);
+    u = un, epi = epi_next;
+    return more;
+  };
+  while (step(cur, nxt) && step(nxt, cur)) {
   }
-  __device__ __forceinline__ void issue(int slot) {
-    settle();
-    if (next.p < op.n_pairs) {
-      issue_unit<K, NC>(op.rows(next), k, codes(slot), sc);
-      ep = op.epilogue(next);
-      pending = slot;
-    }
-    cp_async_commit();  // (empty past the end: the group count stays uniform)
-    next = after(next);
-  }
-  __device__ __forceinline__ void start(Unit first) {
-    next = first;
-    for (int i = 0; i < kStages - 1; ++i) issue(i);
-  }
-  __device__ __forceinline__ void run(Unit u, const uint4* planes) {
-    const int lane = threadIdx.x & 31, words = row_words(k);
-#pragma unroll 1
-    for (int i = 0; u.p < op.n_pairs; ++i, u = after(u)) {
-      const int slot = i % kStages;
-      cp_async_wait<kStages - 2>();            // this unit's copies (this lane's) have landed
-      issue((i + kStages - 1) % kStages);      // into the slot the previous unit freed; settles unit i + 2
-      const uint4* cs = codes(slot);
-      const uint32_t* ss = scales(slot);
-      const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
-      float acc[2][4] = {}, exact[2] = {};
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const Item it{cs[(2 * c) * 32 + lane], cs[(2 * c + 1) * 32 + lane], ss[c * 32 + lane]};
-        compute_item<K>(it, xs + c * 128, NC * 128, acc, exact);
-      }
-      float v0, v1;
-      pair_sums(acc, exact, v0, v1);
-      op.finish(u, v0, v1, epis(slot)[lane]);
-    }
-    cp_async_wait<0>();
-  }
-};
+}
 
 template <WKind K>
 __device__ __forceinline__ float post(const DevPart& p) {
@@ -396,28 +319,21 @@ struct LinearOp {
   }
 };
 
-// Dynamic shared memory: the staged activation rows, then each warp's ring (kStages x NC KiB). The block has
-// as many warps (<= kWarps) as the launch fitted into shared memory.
-__device__ __forceinline__ uint8_t* warp_ring(uint4* smem, int staged_rows, int k, int ring_bytes) {
-  return reinterpret_cast<uint8_t*>(smem + static_cast<size_t>(staged_rows) * row_words(k)) +
-         (threadIdx.x >> 5) * ring_bytes;
-}
-
 template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
-  const int nw = blockDim.x >> 5;
   LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2};
-  Walk<K, NC, LinearOp<K>> walk{op, w.k, static_cast<int>(gridDim.x) * nw, warp_ring(smem, 1, w.k, ring_bytes<NC>())};
-  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
-  walk.start(first);  // the weights do not come from the previous kernel: they stream in meanwhile
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  // The first unit's weights stream in while the previous kernel finishes and x is staged.
+  Item cur[NC];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
-  stage_rows(x, w.k, 1, w.k, smem, red, unscale);
+  stage_rows(x, w.k, 1, w.k, planes, red, unscale);
   op.unscale = unscale[0];
-  walk.run(first, smem);
+  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
 }
 
 // The routed experts of the one token, copied to shared memory once (their part tables are read per unit),
@@ -492,20 +408,20 @@ template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
   pdl_wait();  // ids and x come from the previous kernels
   copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
-  const int nw = blockDim.x >> 5;
   Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
-  Walk<K, NC, Fc1Op<K>> walk{op, tab.d_model, static_cast<int>(gridDim.x) * nw, warp_ring(smem, 1, tab.d_model, ring_bytes<NC>())};
-  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
-  walk.start(first);  // in flight while x is staged
-  stage_rows(x, tab.d_model, 1, tab.d_model, smem, red, unscale);
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  Item cur[NC];
+  if (first.p < op.n_pairs)
+    load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
+  stage_rows(x, tab.d_model, 1, tab.d_model, planes, red, unscale);
   op.unscale = unscale[0];
-  walk.run(first, smem);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order
@@ -547,21 +463,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
                       const float* __restrict__ weights, int top_k, const float* __restrict__ act,
                       float* __restrict__ y) {
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 planes[];
   __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
   __shared__ float s_weights[kMaxRows];
   pdl_wait();  // act, ids and weights come from the previous kernels
   copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
-  const int nw = blockDim.x >> 5;
   Fc2Op<K> op{sw, tab, s_ids, s_weights, unscale, y, (tab.d_model + 1) / 2, top_k};
-  Walk<K, NC, Fc2Op<K>> walk{op, tab.d_expert, static_cast<int>(gridDim.x) * nw,
-                             warp_ring(smem, top_k, tab.d_expert, ring_bytes<NC>())};
-  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
-  walk.start(first);  // in flight while act is staged
-  stage_rows(act, tab.d_expert, top_k, tab.d_expert, smem, red, unscale);
-  walk.run(first, smem);
+  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  Item cur[NC];
+  if (first.p < op.n_pairs)
+    load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  stage_rows(act, tab.d_expert, top_k, tab.d_expert, planes, red, unscale);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
 // ---- Launch
@@ -600,82 +515,74 @@ bool aligned(const DevWeight& w) {
   return true;
 }
 
-struct Device {
-  int sms = 0, smem_optin = 0;
-};
-const Device& device() {
-  static const Device d = [] {
-    Device r;
-    int dev = 0;
+template <class Kernel>
+int grid_for(Kernel kernel, size_t smem, int n_pairs) {
+  static int sms = [] {
+    int dev = 0, n = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&r.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return r;
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
   }();
-  return d;
-}
-
-size_t ring_bytes_of(int nc) {
-  return nc == 1 ? ring_bytes<1>() : nc == 2 ? ring_bytes<2>() : nc == 3 ? ring_bytes<3>() : ring_bytes<4>();
-}
-
-// Warps per block: as many as fit the shared memory next to `staged` activation rows (kWarps on the H100 /
-// H200; fewer on GPUs with ~100 KiB per SM, where less needs to be in flight), or 0 if not even 2 fit.
-int warps_for(int staged, int k) {
-  const size_t reserve = 8 * 1024;  // static shared memory (expert descriptors, reductions) and slack
-  const size_t fixed = stage_bytes(staged, k) + reserve, per_warp = ring_bytes_of(n_chunks(k));
-  if (fixed + 2 * per_warp > static_cast<size_t>(device().smem_optin)) return 0;
-  return static_cast<int>(std::min<size_t>(kWarps, (device().smem_optin - fixed) / per_warp));
-}
-
-// One block per SM (the ring takes most of its shared memory), fewer when there are fewer row pairs.
-template <class Kernel, class... Args>
-void launch(Kernel kernel, int warps, int staged, int k, int n_pairs, cudaStream_t s, Args... args) {
-  const size_t smem = stage_bytes(staged, k) + ring_bytes_of(n_chunks(k)) * warps;
   // (Always: static shared memory counts against the 48 KiB default too.)
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int grid = std::max(1, std::min(device().sms, ceil_div(n_pairs, warps)));
-  launch_pdl(kernel, grid, warps * 32, smem, s, args...);
-  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  return std::max(1, std::min(std::max(1, per_sm) * sms, ceil_div(n_pairs, kWarps)));
 }
 
 // Calls f.template operator()<NC>() with NC = the chunk count of k (1..kMaxChunks).
 template <class F>
 void with_chunks(int k, F&& f) {
   switch (n_chunks(k)) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    default: return f.template operator()<4>();
+    case 1:
+      return f.template operator()<1>();
+    case 2:
+      return f.template operator()<2>();
+    case 3:
+      return f.template operator()<3>();
+    default:
+      return f.template operator()<4>();
   }
 }
 
 template <WKind K>
-void linear(const DevWeight& w, int warps, const float* x, const float* bias, float* y, cudaStream_t s) {
+void linear(const DevWeight& w, const float* x, const float* bias, float* y, cudaStream_t s) {
+  const size_t smem = stage_bytes(1, w.k);
   with_chunks(w.k, [&]<int NC>() {
-    launch(stream_linear_kernel<K, NC>, warps, 1, w.k, (w.n + 1) / 2, s, w, x, bias, y);
+    auto kernel = stream_linear_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, (w.n + 1) / 2), kThreads, smem, s, w, x, bias, y);
   });
+  CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K>
-void fc1(const ExpertTable& t, int warps, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
+void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
          float* act, cudaStream_t s) {
+  const size_t smem = stage_bytes(1, t.d_model);
   with_chunks(t.d_model, [&]<int NC>() {
-    launch(stream_fc1_kernel<K, NC>, warps, 1, t.d_model, top_k * t.d_expert, s, t, ids, top_k, x, glu, limit, act);
+    auto kernel = stream_fc1_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu,
+               limit, act);
   });
+  CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K>
-void fc2(const ExpertTable& t, int warps, const int32_t* ids, const float* weights, int top_k, const float* act,
+void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
          float* y, cudaStream_t s) {
+  const size_t smem = stage_bytes(top_k, t.d_expert);
   with_chunks(t.d_expert, [&]<int NC>() {
-    launch(stream_fc2_kernel<K, NC>, warps, top_k, t.d_expert, (t.d_model + 1) / 2, s, t, ids, weights, top_k, act,
-           y);
+    auto kernel = stream_fc2_kernel<K, NC>;
+    launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k,
+               act, y);
   });
+  CUDA_CHECK(cudaGetLastError());
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return use().moe && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows;
+  return use().moe && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
+         stage_bytes(top_k, k) <= kMaxSmem;
 }
 
 }  // namespace
@@ -683,32 +590,32 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
   if (!fp4(w.kind) || m != 1 || !aligned(w) || !linear_wanted(w)) return false;
-  const int warps = warps_for(1, w.k);
-  if (warps == 0) return false;
-  if (w.kind == WKind::kMXFP4) linear<WKind::kMXFP4>(w, warps, x, bias, y, s);
-  else linear<WKind::kNVFP4>(w, warps, x, bias, y, s);
+  if (w.kind == WKind::kMXFP4)
+    linear<WKind::kMXFP4>(w, x, bias, y, s);
+  else
+    linear<WKind::kNVFP4>(w, x, bias, y, s);
   return true;
 }
 
 // Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the
 // upload buffer, so the NVFP4 scale pairs are aligned too.
-bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                               Glu glu, float limit, float* act, cudaStream_t s) {
+bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k,
+                               const float* x, Glu glu, float limit, float* act, cudaStream_t s) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;
-  const int warps = warps_for(1, t.d_model);
-  if (warps == 0) return false;
-  if (t.kind == WKind::kMXFP4) fc1<WKind::kMXFP4>(t, warps, ids, top_k, x, glu, limit, act, s);
-  else fc1<WKind::kNVFP4>(t, warps, ids, top_k, x, glu, limit, act, s);
+  if (t.kind == WKind::kMXFP4)
+    fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, s);
+  else
+    fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, s);
   return true;
 }
 
-bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
-                               int top_k, const float* act, float* y, cudaStream_t s) {
+bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights,
+                               int64_t n_tokens, int top_k, const float* act, float* y, cudaStream_t s) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
-  const int warps = warps_for(top_k, t.d_expert);
-  if (warps == 0) return false;
-  if (t.kind == WKind::kMXFP4) fc2<WKind::kMXFP4>(t, warps, ids, weights, top_k, act, y, s);
-  else fc2<WKind::kNVFP4>(t, warps, ids, weights, top_k, act, y, s);
+  if (t.kind == WKind::kMXFP4)
+    fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, s);
+  else
+    fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, s);
   return true;
 }
 
