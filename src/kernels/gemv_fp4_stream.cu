@@ -15,9 +15,9 @@
 // (g, t = g / 2) holds; the other C entries are cross terms, never read. Each lane supplies exactly its
 // own codes as A and its own 32 activations as B, so the staged activations are lane-contiguous and the
 // block scale is folded into the decoded weights (one fp16 multiply per pair: E2M1 * 2^-14 by bit moves,
-// times 2^(e + 14) for MXFP4 -- exact for e in [-23, 1], any trained weight; warps whose blocks have a
-// larger scale take an exact fp32 path for that item -- or ue4m3 * 2^7 for NVFP4, always exact, with
-// 2^7 and the global scale back per output).
+// times 2^(e - 127 + c) for MXFP4, c = 14 for any trained weight and lower for a row whose largest block
+// would overflow fp16 -- exact for blocks within 2^24 of the row's largest; times ue4m3 * 2^7 for NVFP4,
+// always exact; 2^(14 - c), 2^7 and the global scale come back per output).
 // Activations: x * 2^s (max |x| into [2^14, 2^15)) as fp16 hi + lo (~22 bits, as gemv_fp4.cu), so the
 // products are exact in the fp32 accumulators; 2^-s comes back per output.
 //
@@ -96,37 +96,45 @@ __device__ void stage_rows(const float* __restrict__ x, int64_t ld, int rows, in
 
 template <WKind K>
 struct Fmt;
+// Folds: the fp16x2 factor that turns a decoded E2M1 pair (e2m1 * 2^-14) into the weight times 2^(c - 14),
+// c the row's window (MXFP4, below); kPost and 2^(14 - c) come back per output.
 template <>
 struct Fmt<WKind::kMXFP4> {
   static constexpr int kBs = 32;
-  static constexpr float kPost = 1.0f;  // the fold makes the decoded weight exact
-  // fp16x2 (both halves) of 2^(e - 127 + 14): float 2^(e - 113) rounded to fp16 (0 below 2^-24, inf above).
-  __device__ static void folds(uint32_t s, uint32_t (&f)[2]) {
-    const __half h = __float2half_rn(__uint_as_float((s & 0xffu) + 14u << 23));
+  static constexpr float kPost = 1.0f;
+  // 2^(e - 127 + c) rounded to fp16 (exact for e + c in [103, 142]; the window keeps every block <= 142).
+  __device__ static void folds(uint32_t s, int c, uint32_t (&f)[2]) {
+    const __half h = __float2half_rn(__uint_as_float((s & 0xffu) + c << 23));
     f[0] = f[1] = pack_half2(h, h);
   }
-  // Warp-uniform: does any lane's block need the exact path (2^(e - 113) overflows fp16: |w| may exceed 12)?
-  __device__ static bool too_large(uint32_t sa, uint32_t sb) {
-    return __any_sync(0xffffffffu, (sa > 128u) | (sb > 128u));
+  // The row's window c = min(14, 142 - max e) over the unit (all chunks of the row, every lane): 14 for any
+  // trained weight (|w| <= 12: e <= 128), smaller for rows with larger blocks, whose blocks more than 2^24
+  // below the row's largest then round (far under the fp32 sum's own error).
+  template <int NC>
+  __device__ static void windows(const uint32_t (&s)[NC], int& c0, int& c1) {
+    uint32_t m0 = 0, m1 = 0;
+#pragma unroll
+    for (int i = 0; i < NC; ++i) m0 = max(m0, s[i] & 0xffu), m1 = max(m1, s[i] >> 16 & 0xffu);
+    c0 = min(14, 142 - static_cast<int>(__reduce_max_sync(0xffffffffu, m0)));
+    c1 = min(14, 142 - static_cast<int>(__reduce_max_sync(0xffffffffu, m1)));
   }
-  __device__ static float factor(uint32_t s, int) { return __uint_as_float((s & 0xffu) << 23) * 16384.0f; }
 };
 template <>
 struct Fmt<WKind::kNVFP4> {
   static constexpr int kBs = 16;
   static constexpr float kPost = 128.0f;  // the fold's 2^-7, back per output (with the global scale)
-  // Blocks 0 and 1 of the lane's 32 elements (scale bytes 0, 1 of s): ue4m3 * 2^7 in fp16, exact. The 7
-  // code bits at fp16 bits 7..13 are ue4m3 * 2^-8; times 2^15.
-  __device__ static void folds(uint32_t s, uint32_t (&f)[2]) {
+  // Blocks 0 and 1 of the lane's 32 elements (scale bytes 0, 1 of s): ue4m3 * 2^7 in fp16, always exact
+  // (window fixed at 14). The 7 code bits at fp16 bits 7..13 are ue4m3 * 2^-8; times 2^15.
+  __device__ static void folds(uint32_t s, int, uint32_t (&f)[2]) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const uint32_t h = (s >> (8 * b) & 0x7fu) << 7;
       f[b] = hmul2(h | h << 16, 0x78007800u);
     }
   }
-  __device__ static bool too_large(uint32_t, uint32_t) { return false; }
-  __device__ static float factor(uint32_t s, int b) {
-    return __uint_as_float((s >> (8 * b) & 0x7fu) << 20) * 0x1p120f * 16384.0f;
+  template <int NC>
+  __device__ static void windows(const uint32_t (&)[NC], int& c0, int& c1) {
+    c0 = c1 = 14;
   }
 };
 
@@ -182,41 +190,17 @@ __device__ __forceinline__ uint32_t word(const uint4& c, int w) {
 }
 
 // acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
-// chunk: hi planes at xs, lo planes at xs + half); two accumulator sets halve the HMMA dependency chain.
-// Blocks the fold cannot hold go through `exact` instead.
+// chunk: hi planes at xs, lo planes at xs + half), the weights folded with the rows' windows c0, c1; two
+// accumulator sets halve the HMMA dependency chain.
 template <WKind K>
-__device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, float (&acc)[2][4],
-                                             float (&exact)[2]) {
+__device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, int c0, int c1,
+                                             float (&acc)[2][4]) {
   using F = Fmt<K>;
   const int lane = threadIdx.x & 31;
   const uint32_t sa = it.s & 0xffffu, sb = it.s >> 16;
-  if (F::too_large(sa, sb)) {  // warp-uniform, rare: fp32 products with the true block factors
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
-      float xv[8];
-      const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // octet order: word i = elements (i, i + 4)
-        float h0, h1, l0, l1;
-        half2_bits_to_float2(hw[i], h0, h1);
-        half2_bits_to_float2(lw[i], l0, l1);
-        xv[i] = h0 + l0, xv[i + 4] = h1 + l1;
-      }
-      float wa[8], wb[8];
-      e2m1x8_scaled(word(it.a, w), wa);
-      e2m1x8_scaled(word(it.b, w), wb);
-      float da = 0.0f, db = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) da = fmaf(wa[i], xv[i], da), db = fmaf(wb[i], xv[i], db);
-      exact[0] = fmaf(da, F::factor(sa, w / 2), exact[0]);
-      exact[1] = fmaf(db, F::factor(sb, w / 2), exact[1]);
-    }
-    return;
-  }
   uint32_t fa[2], fb[2];
-  F::folds(sa, fa);
-  F::folds(sb, fb);
+  F::folds(sa, c0, fa);
+  F::folds(sb, c1, fb);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
@@ -235,15 +219,14 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
   }
 }
 
-// The two rows' dots: the diagonal accumulator entries (lane t == g / 2 holds C[g][g] and C[g + 8][g])
-// plus the exact-path sums, reduced over the warp in 6 shuffles (the halves of the warp sum one row each,
+// The two rows' dots: the diagonal accumulator entries (lane t == g / 2 holds C[g][g] and C[g + 8][g]),
+// reduced over the warp in 6 shuffles (the halves of the warp sum one row each,
 // then swap). v0, v1 on every lane.
-__device__ __forceinline__ void pair_sums(const float (&acc)[2][4], const float (&exact)[2], float& v0,
-                                          float& v1) {
+__device__ __forceinline__ void pair_sums(const float (&acc)[2][4], float& v0, float& v1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool diag = t == (g >> 1), odd = g & 1, upper = lane & 16;
-  const float r0 = exact[0] + (diag ? (odd ? acc[0][1] + acc[1][1] : acc[0][0] + acc[1][0]) : 0.0f);
-  const float r1 = exact[1] + (diag ? (odd ? acc[0][3] + acc[1][3] : acc[0][2] + acc[1][2]) : 0.0f);
+  const float r0 = diag ? (odd ? acc[0][1] + acc[1][1] : acc[0][0] + acc[1][0]) : 0.0f;
+  const float r1 = diag ? (odd ? acc[0][3] + acc[1][3] : acc[0][2] + acc[1][2]) : 0.0f;
   float keep = upper ? r1 : r0;
   keep += __shfl_xor_sync(0xffffffffu, upper ? r0 : r1, 16);
 #pragma unroll
@@ -273,13 +256,18 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
     const bool more = un.p < op.n_pairs;
     if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);
-    float acc[2][4] = {}, exact[2] = {};
+    uint32_t sc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) sc[c] = now[c].s;
+    int c0, c1;
+    Fmt<K>::windows(sc, c0, c1);
+    float acc[2][4] = {};
     const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, acc, exact);
+    for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
-    pair_sums(acc, exact, v0, v1);
-    op.finish(u, v0, v1, epi);
+    pair_sums(acc, v0, v1);
+    op.finish(u, v0 * exp2f(14 - c0), v1 * exp2f(14 - c1), epi);  // (exact powers of two: 1 unless a window moved)
     u = un, epi = epi_next;
     return more;
   };
