@@ -1,6 +1,5 @@
 // Row-streaming FP4 GEMV for one token (decode at batch 1): the linear layers and the MoE expert
 // projections (FC1 + GLU, FC2 + weighted combine), MXFP4 and NVFP4, on the checkpoint layout as it is.
-// By default only linear layers with tall or long rows use it (see use() below for what was measured).
 //
 // Why another kernel (gemv_fp4.cu stays for 2..8 tokens): that one gives each lane 16 bytes of 8 rows
 // in the mma fragment layout, so a warp's load touches 16 rows x 64 bytes; a load-only test on the H200
@@ -280,8 +279,7 @@ __device__ __forceinline__ float post(const DevPart& p) {
   return K == WKind::kNVFP4 ? Fmt<K>::kPost * (p.divide ? 1.0f / p.global : p.global) : 1.0f;
 }
 
-// ---- Linear: y[r] = w[r] . x (+ bias[r])
-// -------------------------------------------------------------------
+// ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
 template <WKind K>
 struct LinearOp {
   const DevWeight& w;
@@ -350,8 +348,7 @@ __device__ __forceinline__ float glu(float g, float u, Glu kind, float limit) {
   return g / (1.0f + expf(-g)) * u;
 }
 
-// ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i]
-// -------------------------
+// ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 template <WKind K>
 struct Fc1Op {
   const DevWeight* sw;  // [top_k] in shared memory
@@ -412,8 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
-// ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), choices in order
-// ---------
+// ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
 template <WKind K>
 struct Fc2Op {
   const DevWeight* sw;  // [top_k] in shared memory, as are ids, weights and unscale
@@ -467,27 +463,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
-// ---- Launch
-// --------------------------------------------------------------------------------------------------- Where
-// the kernels run, NIBBLE_FP4_STREAM: unset = the linear layers with tall or long rows, where they measured
-// faster than gemv_fp4.cu (lm_head: 201088 rows, +6 / +19 points of the read bandwidth MXFP4 / NVFP4; O: k
-// 4096, +4 / +7 points; bench/NOTES.md) -- QKV (5120 x 2880) and the MoE projections measured no faster, so
-// they stay on gemv_fp4.cu; 1 = every one-token linear and MoE projection; 0 = off. A measurement knob for
-// the benchmarks; the CUDA tests set 1 so every kernel here is checked.
-struct Use {
-  bool all_linear, tall_linear, moe;
-};
-const Use& use() {
-  static const Use u = [] {
+// ---- Launch ----
+// NIBBLE_FP4_STREAM=0 turns these kernels off (gemv_fp4.cu's tensor-core kernels take one token then): a
+// measurement knob for the benchmarks, and how the CUDA tests keep those kernels' one-token paths covered.
+bool enabled() {
+  static const bool on = [] {
     const char* e = std::getenv("NIBBLE_FP4_STREAM");
-    if (e && e[0] == '0') return Use{false, false, false};
-    if (e && e[0] == '1') return Use{true, true, true};
-    return Use{false, true, false};
+    return !(e && e[0] == '0');
   }();
-  return u;
-}
-bool linear_wanted(const DevWeight& w) {
-  return use().all_linear || (use().tall_linear && (n_chunks(w.k) >= 4 || w.n >= 16384));
+  return on;
 }
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
@@ -569,7 +553,7 @@ void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return use().moe && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
+  return enabled() && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
          stage_bytes(top_k, k) <= kMaxSmem;
 }
 
@@ -577,7 +561,7 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s) {
-  if (!fp4(w.kind) || m != 1 || !aligned(w) || !linear_wanted(w)) return false;
+  if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
   if (w.kind == WKind::kMXFP4)
     linear<WKind::kMXFP4>(w, x, bias, y, s);
   else
