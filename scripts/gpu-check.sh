@@ -55,7 +55,6 @@ fi
 # Benchmarks (bench/), each into $OUT and printed. NIBBLE_BENCHES picks and orders them (default: all):
 #   kernel  decode projections (nibble_kernel_bench)
 #   kbase   the FP4 rows again without the row-streaming kernels (NIBBLE_FP4_STREAM=0): baseline, same run
-#   kall    the FP4 rows with the row-streaming kernels for the MoE projections too (NIBBLE_FP4_STREAM=1)
 #   tg      end-to-end decode tg128 per dense format      pp      end-to-end prefill pp512/2048/8192
 #   tgbase  tg128 at dense format mxfp4 without the row-streaming kernels (baseline, same run)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
@@ -70,11 +69,10 @@ bench() {  # name, timeout, command...
 }
 if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
-  for b in ${NIBBLE_BENCHES:-kernel kbase kall tg tgbase pp gemm attn}; do
+  for b in ${NIBBLE_BENCHES:-kernel kbase tg tgbase pp gemm attn}; do
     case $b in
       kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
       kbase) bench kernel_base 200 env NIBBLE_FP4_STREAM=0 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
-      kall) bench kernel_all 200 env NIBBLE_FP4_STREAM=1 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
       tg) bench e2e_bench 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b ;;
       tgbase) bench e2e_base 120 env NIBBLE_FP4_STREAM=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;

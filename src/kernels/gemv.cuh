@@ -22,8 +22,7 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 
 // The row-streaming FP4 paths for one token (gemv_fp4_stream.cu): linear at m = 1 and the MoE projections
 // of a single token; k % 32 == 0, k <= 4096, 16-byte aligned rows. Tried first; false (nothing launched)
-// otherwise. NIBBLE_FP4_STREAM picks where they run (default: tall or long linear layers such as lm_head
-// and O; 1: every one-token linear and MoE projection; 0: off).
+// otherwise. NIBBLE_FP4_STREAM=0 turns them off (benchmark knob; the tests' second run).
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               cudaStream_t s);
 
