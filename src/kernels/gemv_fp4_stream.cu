@@ -48,49 +48,116 @@ __host__ __device__ constexpr int row_words(int k) {
 }  // uint4 per staged row
 __host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
 
-// All threads: stage `rows` rows of x (row i at x + i * ld, k floats, k % 32 == 0), each with its own
-// power-of-two prescale; unscale[i] = 2^-s_i. Ends with a barrier.
-__device__ void stage_rows(const float* __restrict__ x, int64_t ld, int rows, int k, uint4* planes,
-                           float* red, float* unscale) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nc = n_chunks(k);
-  __shared__ float pre[kMaxRows];
-  for (int i = 0; i < rows; ++i) {
-    float mx = 0.0f;
-    for (int q = threadIdx.x; q < k / 4; q += blockDim.x) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(x + i * ld) + q);
-      mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
-    mx = warp_max(mx);
-    if (lane == 0) red[i * kWarps + warp] = mx;
+// Staging, in phases so that its global-memory round trip overlaps other work: stage_issue loads this
+// thread's first kHold octets (8 elements) of the rows into registers; stage_max folds their max |x| (and
+// that of any octets beyond, which stage_store reads again) into the block's per-row maxima (float bits,
+// atomicMax: all non-negative; zeroed by stage_zero before a barrier); after a barrier stage_scales turns the
+// maxima into power-of-two prescales (threads < rows); after another, stage_store writes the hi and lo
+// planes; a final barrier before the planes are read. A warp's 32 consecutive octets share one row (rows
+// hold a multiple of 128 octets), so the maxima reduce per warp first.
+constexpr int kHold = 4;  // gpt-oss FC2 (4 rows of 2880) needs 3 per thread of 512
+struct Held {
+  float v[kHold][8];
+};
+struct StageShared {
+  unsigned row_max[kMaxRows];
+  float pre[kMaxRows], unscale[kMaxRows];
+};
+
+// Octet f of the staged rows: its row i, first element e (>= k: padding), plane word index.
+__device__ __forceinline__ void octet_at(int f, int k, int& i, int& e, int& word) {
+  const int octets = n_chunks(k) * kChunk / 8, o = f % octets;
+  const int c = o / 128, l = (o / 4) % 32, j = o % 4;
+  i = f / octets, e = c * kChunk + l * 32 + j * 8, word = (c * 4 + j) * 32 + l;
+}
+__device__ __forceinline__ void load_octet(const float* x, int64_t ld, int i, int e, int k, float (&v)[8]) {
+  if (e >= k) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = 0.0f;
+    return;
   }
-  __syncthreads();
+  const float4 a = __ldg(reinterpret_cast<const float4*>(x + i * ld + e));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(x + i * ld + e) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ float octet_max(const float (&v)[8]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(v[q]));
+  return m;
+}
+
+__device__ __forceinline__ void stage_zero(StageShared& ss) {
+  if (threadIdx.x < kMaxRows) ss.row_max[threadIdx.x] = 0u;
+}
+__device__ __forceinline__ void stage_issue(const float* __restrict__ x, int64_t ld, int rows, int k, Held& h) {
+  const int total = rows * n_chunks(k) * kChunk / 8;
+#pragma unroll
+  for (int j = 0; j < kHold; ++j) {
+    const int f = threadIdx.x + j * blockDim.x;
+    int i, e, w;
+    octet_at(f, k, i, e, w);
+    if (f < total) load_octet(x, ld, i, e, k, h.v[j]);
+  }
+}
+__device__ void stage_max(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h, StageShared& ss) {
+  const int total = rows * n_chunks(k) * kChunk / 8, lane = threadIdx.x & 31;
+  auto fold = [&](int i, float m) {  // warp-uniform: the warp's octets share row i
+    m = warp_max(m);
+    if (lane == 0) atomicMax(&ss.row_max[i], __float_as_uint(m));
+  };
+#pragma unroll
+  for (int j = 0; j < kHold; ++j) {
+    const int f = threadIdx.x + j * blockDim.x;
+    int i, e, w;
+    octet_at(f, k, i, e, w);
+    if (f < total) fold(i, octet_max(h.v[j]));
+  }
+  for (int f = threadIdx.x + kHold * blockDim.x; f < total; f += blockDim.x) {
+    int i, e, w;
+    octet_at(f, k, i, e, w);
+    float v[8];
+    load_octet(x, ld, i, e, k, v);
+    fold(i, octet_max(v));
+  }
+}
+__device__ __forceinline__ void stage_scales(int rows, StageShared& ss) {
   if (threadIdx.x < rows) {
-    float mx = 0.0f;
-    for (int q = 0; q < kWarps; ++q) mx = fmaxf(mx, red[threadIdx.x * kWarps + q]);
-    const int sh = fp16_prescale_shift(mx);
-    pre[threadIdx.x] = ldexpf(1.0f, sh);
-    unscale[threadIdx.x] = ldexpf(1.0f, -sh);
+    const int sh = fp16_prescale_shift(__uint_as_float(ss.row_max[threadIdx.x]));
+    ss.pre[threadIdx.x] = ldexpf(1.0f, sh);
+    ss.unscale[threadIdx.x] = ldexpf(1.0f, -sh);
   }
-  __syncthreads();
-  const int octets = nc * kChunk / 8, half = nc * 4 * 32;  // per row; uint4 words of the hi planes
-  for (int f = threadIdx.x; f < rows * octets; f += blockDim.x) {
-    const int i = f / octets, o = f % octets;
-    const int c = o / 128, l = (o / 4) % 32, j = o % 4, e = c * kChunk + l * 32 + j * 8;
-    float v[8] = {};
-    if (e < k) {
-      const float p = pre[i];
-      const float4 a = __ldg(reinterpret_cast<const float4*>(x + i * ld + e));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(x + i * ld + e) + 1);
-      v[0] = a.x * p, v[1] = a.y * p, v[2] = a.z * p, v[3] = a.w * p;
-      v[4] = b.x * p, v[5] = b.y * p, v[6] = b.z * p, v[7] = b.w * p;
-    }
-    uint4 h, lo;
-    split_octet(v, h, lo);
+}
+__device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
+                            const StageShared& ss, uint4* planes) {
+  const int total = rows * n_chunks(k) * kChunk / 8, half = n_chunks(k) * 4 * 32;
+  auto store = [&](int i, int w, float (&v)[8]) {
+    const float p = ss.pre[i];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] *= p;
+    uint4 hi, lo;
+    split_octet(v, hi, lo);
     uint4* row = planes + static_cast<size_t>(i) * row_words(k);
-    row[(c * 4 + j) * 32 + l] = h;
-    row[half + (c * 4 + j) * 32 + l] = lo;
+    row[w] = hi;
+    row[half + w] = lo;
+  };
+#pragma unroll
+  for (int j = 0; j < kHold; ++j) {
+    const int f = threadIdx.x + j * blockDim.x;
+    int i, e, w;
+    octet_at(f, k, i, e, w);
+    float v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = h.v[j][q];
+    if (f < total) store(i, w, v);
   }
-  __syncthreads();
+  for (int f = threadIdx.x + kHold * blockDim.x; f < total; f += blockDim.x) {
+    int i, e, w;
+    octet_at(f, k, i, e, w);
+    float v[8];
+    load_octet(x, ld, i, e, k, v);
+    store(i, w, v);
+  }
 }
 
 template <WKind K>
@@ -310,15 +377,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
-  __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
+  __shared__ StageShared ss;
+  stage_zero(ss);
+  __syncthreads();
   LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
-  stage_rows(x, w.k, 1, w.k, planes, red, unscale);
-  op.unscale = unscale[0];
+  Held h;
+  stage_issue(x, w.k, 1, w.k, h);
+  stage_max(x, w.k, 1, w.k, h, ss);
+  __syncthreads();
+  stage_scales(1, ss);
+  __syncthreads();
+  stage_store(x, w.k, 1, w.k, h, ss, planes);
+  __syncthreads();
+  op.unscale = ss.unscale[0];
   if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
 }
 
@@ -394,18 +470,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
   extern __shared__ uint4 planes[];
-  __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
+  __shared__ StageShared ss;
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
-  pdl_wait();  // ids and x come from the previous kernels
+  stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
+  pdl_wait();      // ids and x come from the previous kernels
+  Held h;
+  stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
   Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
-  if (first.p < op.n_pairs)
-    load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
-  stage_rows(x, tab.d_model, 1, tab.d_model, planes, red, unscale);
-  op.unscale = unscale[0];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
+  stage_max(x, tab.d_model, 1, tab.d_model, h, ss);
+  __syncthreads();
+  stage_scales(1, ss);
+  __syncthreads();
+  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
+  __syncthreads();
+  op.unscale = ss.unscale[0];
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
@@ -448,18 +531,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const float* __restrict__ weights, int top_k, const float* __restrict__ act,
                       float* __restrict__ y) {
   extern __shared__ uint4 planes[];
-  __shared__ float red[kMaxRows * kWarps], unscale[kMaxRows];
+  __shared__ StageShared ss;
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
   __shared__ float s_weights[kMaxRows];
-  pdl_wait();  // act, ids and weights come from the previous kernels
+  stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
+  pdl_wait();      // act, ids and weights come from the previous kernels
+  Held h;
+  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);  // in flight while the descriptors are fetched
   copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
-  Fc2Op<K> op{sw, tab, s_ids, s_weights, unscale, y, (tab.d_model + 1) / 2, top_k};
+  Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, y, (tab.d_model + 1) / 2, top_k};
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
-  if (first.p < op.n_pairs)
-    load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
-  stage_rows(act, tab.d_expert, top_k, tab.d_expert, planes, red, unscale);
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);
+  __syncthreads();
+  stage_scales(top_k, ss);
+  __syncthreads();
+  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
+  __syncthreads();
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
