@@ -314,21 +314,21 @@ struct Unit {
 // the previous kernel). The next unit's loads -- weights and epilogue values, so that no global load
 // latency is left for the finish -- go out before the current unit's math: NC items per warp in flight.
 template <WKind K, int NC, class Op>
-__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
-  const int stride = gridDim.x * kWarps, words = row_words(k);
+__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC], int stride) {
+  const int words = row_words(k);
   Item nxt[NC];
   float2 epi = op.epilogue(u), epi_next;
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
     const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
     const bool more = un.p < op.n_pairs;
-    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);
+    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);  // (op.rows: clamped rows)
     uint32_t sc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) sc[c] = now[c].s;
     int c0, c1;
     Fmt<K>::windows(sc, c0, c1);
     float acc[2][4] = {};
-    const uint4* xs = planes + static_cast<size_t>(u.sub) * words;
+    const uint4* xs = planes + static_cast<size_t>(op.xrow(u)) * words;
 #pragma unroll
     for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
@@ -354,6 +354,7 @@ struct LinearOp {
   float* y;
   float unscale;
   int n_pairs, subs = 1;
+  __device__ int xrow(Unit) const { return 0; }
   __device__ Rows rows(Unit u) const {
     int ra = 2 * u.p, rb = min(2 * u.p + 1, w.n - 1);
     const DevPart& pa = find_part(w, ra);
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_store(x, w.k, 1, w.k, h, ss, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur, gridDim.x * kWarps);
 }
 
 // The routed experts of the one token, copied to shared memory once (their part tables are read per unit),
@@ -434,6 +435,7 @@ struct Fc1Op {
   float limit, unscale;
   float* act;
   int n_pairs, subs = 1;
+  __device__ int xrow(Unit) const { return 0; }
   __device__ void gate_up(int p, int& i, int& j, int& ga, int& gb) const {
     const int d = tab.d_expert;
     i = p / d, j = p % d;
@@ -489,10 +491,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur, gridDim.x * kWarps);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
+// The top_k warps of a group take the choices of one row pair each round (warp w: choice w % top_k), so
+// every warp has work (one pair's choices in sequence left a third of gpt-oss's warps idle); each writes its
+// weighted rows to shared memory and after a block barrier the group's first warp adds them in choice
+// order (deterministic, the reference's order). Every warp walks the same number of rounds: the pair count
+// is padded to whole rounds, and padding pairs load clamped rows and write nothing.
 template <WKind K>
 struct Fc2Op {
   const DevWeight* sw;  // [top_k] in shared memory, as are ids, weights and unscale
@@ -500,28 +507,38 @@ struct Fc2Op {
   const int* ids;
   const float* weights;
   const float* unscale;
+  float (*part)[kWarps][2];  // [2 rounds in turn][warp][row] in shared memory
   float* y;
-  int n_pairs, subs;
-  float sum = 0.0f;  // lane 0: row 2p, lane 16: row 2p + 1, over the choices so far
+  int n_pairs, subs, real_pairs, top_k, choice, round = 0;  // subs 1: a warp keeps its choice
+  __device__ int xrow(Unit) const { return choice; }
   __device__ Rows rows(Unit u) const {
-    int ra = 2 * u.p, rb = min(2 * u.p + 1, tab.d_model - 1);
-    const DevPart& pa = find_part(sw[u.sub], ra);
-    const DevPart& pb = find_part(sw[u.sub], rb);
+    const int p = min(u.p, real_pairs - 1);
+    int ra = 2 * p, rb = min(2 * p + 1, tab.d_model - 1);
+    const DevPart& pa = find_part(sw[choice], ra);
+    const DevPart& pb = find_part(sw[choice], rb);
     return lane_rows<K>(pa, ra, pb, rb, tab.d_expert);
   }
   __device__ float2 epilogue(Unit u) const {  // the choice's biases of rows 2p, 2p + 1
     if (!tab.fc2_bias) return make_float2(0.0f, 0.0f);
-    const float* b = tab.fc2_bias + static_cast<int64_t>(ids[u.sub]) * tab.d_model;
-    return make_float2(__ldg(b + 2 * u.p), __ldg(b + min(2 * u.p + 1, tab.d_model - 1)));
+    const int p = min(u.p, real_pairs - 1);
+    const float* b = tab.fc2_bias + static_cast<int64_t>(ids[choice]) * tab.d_model;
+    return make_float2(__ldg(b + 2 * p), __ldg(b + min(2 * p + 1, tab.d_model - 1)));
   }
-  __device__ void finish(Unit u, float v0, float v1, float2 b) {
-    const int lane = threadIdx.x & 31, n = tab.d_model, r = 2 * u.p + (lane >> 4), i = u.sub;
-    if ((lane & 15) != 0 || r >= n) return;
-    int rr = r;
-    const float v = (lane ? v1 : v0) * unscale[i] * post<K>(find_part(sw[i], rr));
-    sum = (i == 0 ? 0.0f : sum) +
-          weights[i] * (v + (lane ? b.y : b.x));  // weight after the bias (formats.md §2.4)
-    if (i + 1 == subs) y[r] = sum;
+  __device__ void finish(Unit u, float v0, float v1, float2 b) {  // every warp of the block, every round
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, q = lane >> 4, r = 2 * u.p + q;
+    float(&mine)[kWarps][2] = part[round & 1];
+    if ((lane & 15) == 0 && r < n && u.p < real_pairs) {
+      int rr = r;
+      const float v = (q ? v1 : v0) * unscale[choice] * post<K>(find_part(sw[choice], rr));
+      mine[warp][q] = weights[choice] * (v + (q ? b.y : b.x));  // weight after the bias (formats.md §2.4)
+    }
+    __syncthreads();  // (the other buffer is written next round: one barrier per round suffices)
+    if (choice == 0 && (lane & 15) == 0 && r < n && u.p < real_pairs) {
+      float sum = 0.0f;
+      for (int c = 0; c < top_k; ++c) sum += mine[warp + c][q];
+      y[r] = sum;
+    }
+    ++round;
   }
 };
 
@@ -529,28 +546,31 @@ template <WKind K, int NC>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
                       const float* __restrict__ weights, int top_k, const float* __restrict__ act,
-                      float* __restrict__ y) {
+                      float* __restrict__ y, int rounds) {
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
   __shared__ float s_weights[kMaxRows];
+  __shared__ float part[2][kWarps][2];
   stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
   pdl_wait();      // act, ids and weights come from the previous kernels
   Held h;
   stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);  // in flight while the descriptors are fetched
   copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
-  Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, y, (tab.d_model + 1) / 2, top_k};
-  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  const int warp = threadIdx.x >> 5, groups = (blockDim.x >> 5) / top_k, stride = gridDim.x * groups;
+  const int real_pairs = (tab.d_model + 1) / 2;
+  Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, 1, real_pairs, top_k, warp % top_k};
+  const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
   Item cur[NC];
-  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);
   __syncthreads();
   stage_scales(top_k, ss);
   __syncthreads();
   stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
   __syncthreads();
-  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_expert, planes, first, cur);
+  walk<K, NC>(op, tab.d_expert, planes, first, cur, stride);
 }
 
 // ---- Launch ----
@@ -633,11 +653,15 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
 template <WKind K>
 void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
          float* y, cudaStream_t s) {
+  // Blocks of kWarps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
+  // the last round is (nearly) full.
   const size_t smem = stage_bytes(top_k, t.d_expert);
+  const int groups = kWarps / top_k, n_pairs = (t.d_model + 1) / 2;
   with_chunks(t.d_expert, [&]<int NC>() {
     auto kernel = stream_fc2_kernel<K, NC>;
-    launch_pdl(kernel, grid_for(kernel, smem, (t.d_model + 1) / 2), kThreads, smem, s, t, ids, weights, top_k,
-               act, y);
+    const int max_grid = grid_for(kernel, smem, n_pairs * kWarps / groups);  // (grid_for counts kWarps per block)
+    const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
+    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, ids, weights, top_k, act, y, rounds);
   });
   CUDA_CHECK(cudaGetLastError());
 }
