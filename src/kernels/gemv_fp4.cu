@@ -1,6 +1,8 @@
 // Tensor-core decode GEMV for FP4 weights (MXFP4, NVFP4) at batch 1..8, and the MoE expert projections
 // at decode, on the checkpoint layout as it is (row-major codes [n, k/2], scales [n, k/bs]): no repacking,
-// so the prefill GEMMs and every other reader share the bytes.
+// so the prefill GEMMs and every other reader share the bytes. One token normally goes to
+// gemv_fp4_stream.cu (faster there); these kernels take it where that one declines (k > 4096, k % 32 != 0)
+// or is switched off (NIBBLE_FP4_STREAM=0).
 //
 // Why tensor cores for a GEMV: at the H200's ~4.6 TB/s an SM must consume ~35 FP4 elements per clock,
 // and it issues 4 warp-instructions (128 lane-instructions) per clock, so the whole per-element budget is

@@ -160,6 +160,18 @@ __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, i
   }
 }
 
+// The rest of the staging once stage_issue's loads are out (and stage_zero is ordered before it): maxima,
+// barrier, prescales, barrier, planes, barrier.
+__device__ __forceinline__ void stage_finish(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
+                                             StageShared& ss, uint4* planes) {
+  stage_max(x, ld, rows, k, h, ss);
+  __syncthreads();
+  stage_scales(rows, ss);
+  __syncthreads();
+  stage_store(x, ld, rows, k, h, ss, planes);
+  __syncthreads();
+}
+
 template <WKind K>
 struct Fmt;
 // Folds: the fp16x2 factor that turns a decoded E2M1 pair (e2m1 * 2^-14) into the weight times 2^(c - 14),
@@ -389,12 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_wait();
   Held h;
   stage_issue(x, w.k, 1, w.k, h);
-  stage_max(x, w.k, 1, w.k, h, ss);
-  __syncthreads();
-  stage_scales(1, ss);
-  __syncthreads();
-  stage_store(x, w.k, 1, w.k, h, ss, planes);
-  __syncthreads();
+  stage_finish(x, w.k, 1, w.k, h, ss, planes);
   op.unscale = ss.unscale[0];
   if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur, gridDim.x * kWarps);
 }
@@ -484,12 +491,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
-  stage_max(x, tab.d_model, 1, tab.d_model, h, ss);
-  __syncthreads();
-  stage_scales(1, ss);
-  __syncthreads();
-  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
-  __syncthreads();
+  stage_finish(x, tab.d_model, 1, tab.d_model, h, ss, planes);
   op.unscale = ss.unscale[0];
   if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur, gridDim.x * kWarps);
 }
@@ -564,12 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
   Item cur[NC];
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
-  stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);
-  __syncthreads();
-  stage_scales(top_k, ss);
-  __syncthreads();
-  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
-  __syncthreads();
+  stage_finish(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
   walk<K, NC>(op, tab.d_expert, planes, first, cur, stride);
 }
 
