@@ -20,8 +20,8 @@
 // Activations: x * 2^s (max |x| into [2^14, 2^15)) as fp16 hi + lo (~22 bits, as gemv_fp4.cu), so the
 // products are exact in the fp32 accumulators; 2^-s comes back per output.
 //
-// Work: a warp walks row pairs (strided over all warps of the grid). A "unit" is a pair (FC2: a pair and
-// one choice) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
+// Work: a warp walks row pairs (strided over the grid's warps; FC2: the top_k warps of a group take the
+// choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
 // template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). The
 // next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
