@@ -35,7 +35,17 @@ namespace nb::cuda {
 namespace {
 
 constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lanes x 32
-constexpr int kWarps = 16, kThreads = kWarps * 32;
+// Warps per block: 16 on sm_90 (the H100/H200 numbers in bench/RESULTS.md), 8 on sm_12x, whose ptxas
+// spills 0.6-1 KiB per thread in the NVFP4 kernels under the 16-warp cap of 128 registers and needs none at
+// 8 warps (up to 255 registers; less bandwidth per SM to cover there: GB10 273 GB/s over 48 SMs). The
+// linear and FC1 blocks have exactly kBlockThreads threads, FC2's a multiple of top_k warps up to that;
+// kWarps is the most any block has.
+constexpr int kWarps = 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kBlockThreads = 256;
+#else
+constexpr int kBlockThreads = 512;
+#endif
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
 
@@ -158,18 +168,6 @@ __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, i
     load_octet(x, ld, i, e, k, v);
     store(i, w, v);
   }
-}
-
-// The rest of the staging once stage_issue's loads are out (and stage_zero is ordered before it): maxima,
-// barrier, prescales, barrier, planes, barrier.
-__device__ __forceinline__ void stage_finish(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
-                                             StageShared& ss, uint4* planes) {
-  stage_max(x, ld, rows, k, h, ss);
-  __syncthreads();
-  stage_scales(rows, ss);
-  __syncthreads();
-  stage_store(x, ld, rows, k, h, ss, planes);
-  __syncthreads();
 }
 
 template <WKind K>
@@ -386,7 +384,7 @@ struct LinearOp {
 };
 
 template <WKind K, int NC>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
@@ -394,16 +392,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_zero(ss);
   __syncthreads();
   LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2};
-  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
   Held h;
   stage_issue(x, w.k, 1, w.k, h);
-  stage_finish(x, w.k, 1, w.k, h, ss, planes);
+  stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  __syncthreads();
+  stage_scales(1, ss);
+  __syncthreads();
+  stage_store(x, w.k, 1, w.k, h, ss, planes);
+  __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur, gridDim.x * kWarps);
+  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur, static_cast<int>(gridDim.x) * nw);
 }
 
 // The routed experts of the one token, copied to shared memory once (their part tables are read per unit),
@@ -475,7 +479,7 @@ struct Fc1Op {
 };
 
 template <WKind K, int NC>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
   extern __shared__ uint4 planes[];
@@ -488,12 +492,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
   Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
-  const Unit first{static_cast<int>(blockIdx.x * kWarps + (threadIdx.x >> 5)), 0};
+  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
-  stage_finish(x, tab.d_model, 1, tab.d_model, h, ss, planes);
+  stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  __syncthreads();
+  stage_scales(1, ss);
+  __syncthreads();
+  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
+  __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur, gridDim.x * kWarps);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur, static_cast<int>(gridDim.x) * nw);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
@@ -545,7 +555,7 @@ struct Fc2Op {
 };
 
 template <WKind K, int NC>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
                       const float* __restrict__ weights, int top_k, const float* __restrict__ act,
                       float* __restrict__ y, int rounds) {
@@ -566,7 +576,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
   Item cur[NC];
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
-  stage_finish(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
+  stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  __syncthreads();
+  stage_scales(top_k, ss);
+  __syncthreads();
+  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
+  __syncthreads();
   walk<K, NC>(op, tab.d_expert, planes, first, cur, stride);
 }
 
@@ -594,20 +609,32 @@ bool aligned(const DevWeight& w) {
   return true;
 }
 
-template <class Kernel>
-int grid_for(Kernel kernel, size_t smem, int n_pairs) {
-  static int sms = [] {
-    int dev = 0, n = 0;
+struct Device {
+  int sms = 0, warps = kWarps;  // warps per block, as kBlockThreads for the device's arch
+};
+const Device& device() {
+  static const Device d = [] {
+    Device r;
+    int dev = 0, major = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
+    CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    r.warps = major >= 12 ? 8 : kWarps;
+    return r;
   }();
+  return d;
+}
+
+// Blocks for n_pairs row pairs at `warps` per block: one per SM as the shared memory and registers allow,
+// fewer when there are fewer pairs than warps.
+template <class Kernel>
+int grid_for(Kernel kernel, int warps, size_t smem, int n_pairs) {
   // (Always: static shared memory counts against the 48 KiB default too.)
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  return std::max(1, std::min(std::max(1, per_sm) * sms, ceil_div(n_pairs, kWarps)));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem));
+  return std::max(1, std::min(std::max(1, per_sm) * device().sms, ceil_div(n_pairs, warps)));
 }
 
 // Calls f.template operator()<NC>() with NC = the chunk count of k (1..kMaxChunks).
@@ -630,7 +657,8 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, cud
   const size_t smem = stage_bytes(1, w.k);
   with_chunks(w.k, [&]<int NC>() {
     auto kernel = stream_linear_kernel<K, NC>;
-    launch_pdl(kernel, grid_for(kernel, smem, (w.n + 1) / 2), kThreads, smem, s, w, x, bias, y);
+    const int warps = device().warps;
+    launch_pdl(kernel, grid_for(kernel, warps, smem, (w.n + 1) / 2), warps * 32, smem, s, w, x, bias, y);
   });
   CUDA_CHECK(cudaGetLastError());
 }
@@ -641,7 +669,8 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
   const size_t smem = stage_bytes(1, t.d_model);
   with_chunks(t.d_model, [&]<int NC>() {
     auto kernel = stream_fc1_kernel<K, NC>;
-    launch_pdl(kernel, grid_for(kernel, smem, top_k * t.d_expert), kThreads, smem, s, t, ids, top_k, x, glu,
+    const int warps = device().warps;
+    launch_pdl(kernel, grid_for(kernel, warps, smem, top_k * t.d_expert), warps * 32, smem, s, t, ids, top_k, x, glu,
                limit, act);
   });
   CUDA_CHECK(cudaGetLastError());
@@ -650,13 +679,13 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
 template <WKind K>
 void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
          float* y, cudaStream_t s) {
-  // Blocks of kWarps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
+  // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
   // the last round is (nearly) full.
   const size_t smem = stage_bytes(top_k, t.d_expert);
-  const int groups = kWarps / top_k, n_pairs = (t.d_model + 1) / 2;
+  const int groups = device().warps / top_k, n_pairs = (t.d_model + 1) / 2;
   with_chunks(t.d_expert, [&]<int NC>() {
     auto kernel = stream_fc2_kernel<K, NC>;
-    const int max_grid = grid_for(kernel, smem, n_pairs * kWarps / groups);  // (grid_for counts kWarps per block)
+    const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
     const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
     launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, ids, weights, top_k, act, y, rounds);
   });
