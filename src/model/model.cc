@@ -43,6 +43,10 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   const char* gemm_acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
   if (gemm_acts && std::string(gemm_acts) != "fp16" && std::string(gemm_acts) != "hi-lo")
     return error(std::string("NIBBLE_GEMM_ACTIVATIONS=") + gemm_acts + ": expected fp16 or hi-lo");
+  // NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, a benchmark switch): 0 or 1, checked the same way.
+  const char* fp4_stream = std::getenv("NIBBLE_FP4_STREAM");
+  if (fp4_stream && std::string(fp4_stream) != "0" && std::string(fp4_stream) != "1")
+    return error(std::string("NIBBLE_FP4_STREAM=") + fp4_stream + ": expected 0 or 1");
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).

@@ -368,13 +368,12 @@ TEST_F(CudaOps, Attention) {
   }
 }
 
-// Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
-// at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 // One token through the row-streaming FP4 kernels (kernels/gemv_fp4_stream.cu): k that fills whole
 // 1024-element chunks, ends inside one (4096 + 32: one lane of the last chunk live) or is shorter than one,
 // odd and single-row weights (the second row of the last pair is a copy, never written), fused parts, and
-// MXFP4 weights whose block scales are too large to fold into fp16 (values ~N(0, 40^2): E8M0 exponents up to
-// ~8), which take the exact fp32 path; NVFP4 at every part convention. x beyond and below fp16's range.
+// MXFP4 weights whose block scales would overflow fp16 at the default window (values ~N(0, 40^2): E8M0
+// exponents up to ~8; N(0, 3^2): at the window's edge), which move their rows' exponent window; NVFP4 at
+// every part convention. x beyond and below fp16's range.
 TEST_F(CudaOps, LinearFp4OneTokenStream) {
   struct Case {
     WeightFormat f;
@@ -411,6 +410,8 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
   }
 }
 
+// Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
+// at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 TEST_F(CudaOps, MoeRouteAndExperts) {
   // Variants 0, 5 and 6 route one token (the row-streaming kernels: MXFP4 small, NVFP4 and MXFP4 with k that
   // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs).

@@ -149,3 +149,30 @@ def test_gemm_activations_env_is_checked():
                           "NIBBLE_GEMM_ACTIVATIONS=hilo", "fp16 or hi-lo")
     for ok in ("fp16", "hi-lo"):
         assert len(nibble(*args, env={"NIBBLE_GEMM_ACTIVATIONS": ok}).stdout.split()) == 2
+
+
+def test_fp4_stream_env_is_checked():
+    """NIBBLE_FP4_STREAM takes 0 or 1 (CUDA one-token FP4 GEMV); anything else is a one-line error."""
+    model = ROOT / "models" / "default"
+    args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
+    assert_one_line_error(nibble(*args, check=False, env={"NIBBLE_FP4_STREAM": "off"}),
+                          "NIBBLE_FP4_STREAM=off", "0 or 1")
+    for ok in ("0", "1"):
+        assert len(nibble(*args, env={"NIBBLE_FP4_STREAM": ok}).stdout.split()) == 2
+
+
+E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"
+
+
+@pytest.mark.skipif(not E2E_BENCH.exists(), reason="no CUDA build (nibble_e2e_bench)")
+@pytest.mark.parametrize("args,needles", [
+    (["--dense-formats", "mxfp4,fp6"], ["--dense-formats", "'fp6'"]),
+    (["--dense-formats", "mxfp4,"], ["--dense-formats", "''"]),
+    (["--gemm-acts", "hilo"], ["--gemm-acts hilo", "fp16 or hi-lo"]),
+])
+def test_e2e_bench_rejects_bad_arguments(args, needles):
+    """The end-to-end benchmark checks its arguments before touching a GPU: one line, exit 2."""
+    proc = subprocess.run([str(E2E_BENCH), *args, "configs/gpt-oss-20b"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, *needles)
