@@ -171,6 +171,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The GLU of one MoE output from its gate and up sums (biases added): gpt-oss's clamped SwiGLU or plain
+// SiLU, the CPU reference's expressions (formats.md §2.4).
+__device__ __forceinline__ float glu_value(float g, float u, bool gpt_oss, float limit) {
+  if (!gpt_oss) return g * sigmoidf(g) * u;
+  g = fminf(g, limit);
+  u = fminf(fmaxf(u, -limit), limit);
+  return g * sigmoidf(1.702f * g) * (u + 1.0f);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

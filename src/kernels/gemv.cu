@@ -303,8 +303,6 @@ __global__ void __launch_bounds__(kThreads) linear_split_kernel(const __grid_con
   }
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
 // MoE fc1 + GLU: grid (blocks looping over outputs, pairs). One output j per warp: rows gate(j), up(j).
 template <WKind K>
 __global__ void __launch_bounds__(kThreads) moe_fc1_kernel(ExpertTable tab, const int32_t* __restrict__ ids,
@@ -339,15 +337,8 @@ __global__ void __launch_bounds__(kThreads) moe_fc1_kernel(ExpertTable tab, cons
           g += tab.fc1_bias[static_cast<int64_t>(e) * 2 * d + rows[0]];
           u += tab.fc1_bias[static_cast<int64_t>(e) * 2 * d + rows[1]];
         }
-        float a;
-        if (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) {
-          g = fminf(g, limit);
-          u = fminf(fmaxf(u, -limit), limit);
-          a = g * sigmoidf(1.702f * g) * (u + 1.0f);
-        } else {
-          a = g * sigmoidf(g) * u;
-        }
-        act[static_cast<int64_t>(p) * d + j] = a;
+        act[static_cast<int64_t>(p) * d + j] =
+            glu_value(g, u, glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves, limit);
       }
     }
   }

@@ -427,15 +427,6 @@ __device__ __forceinline__ void copy_experts(const DevWeight* table, const int32
   __syncthreads();
 }
 
-__device__ __forceinline__ float glu(float g, float u, Glu kind, float limit) {
-  if (kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves) {
-    g = fminf(g, limit);
-    u = fminf(fmaxf(u, -limit), limit);
-    return g / (1.0f + expf(-1.702f * g)) * (u + 1.0f);
-  }
-  return g / (1.0f + expf(-g)) * u;
-}
-
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 template <WKind K>
 struct Fc1Op {
@@ -474,7 +465,8 @@ struct Fc1Op {
     int ra = ga, rb = gb;
     const float gate = v0 * unscale * post<K>(find_part(sw[i], ra)) + b.x;
     const float up = v1 * unscale * post<K>(find_part(sw[i], rb)) + b.y;
-    act[static_cast<int64_t>(i) * tab.d_expert + j] = glu(gate, up, kind, limit);
+    act[static_cast<int64_t>(i) * tab.d_expert + j] =
+        glu_value(gate, up, kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves, limit);
   }
 };
 

@@ -52,16 +52,6 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
   }
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// The GLU of one output from its gate and up sums (biases added): gpt-oss's clamped SwiGLU or plain SiLU,
-// the same expressions as gemv.cu and the CPU reference (formats.md §2.4).
-__device__ __forceinline__ float glu_value(float g, float u, bool gpt_oss, float limit) {
-  if (!gpt_oss) return g * sigmoidf(g) * u;
-  g = fminf(g, limit);
-  u = fminf(fmaxf(u, -limit), limit);
-  return g * sigmoidf(1.702f * g) * (u + 1.0f);
-}
 
 // Which tile this block runs: (expert, its first slot, rows), or false past the listed tiles.
 template <int kBM>
