@@ -57,6 +57,7 @@ fi
 #   kbase   the FP4 rows again without the row-streaming kernels (NIBBLE_FP4_STREAM=0): baseline, same run
 #   tg      end-to-end decode tg128 per dense format      pp      end-to-end prefill pp512/2048/8192
 #   tgbase  tg128 at dense format mxfp4 without the row-streaming kernels (baseline, same run)
+#   tgnofuse  tg128 at dense format mxfp4 without the decode fusions (NIBBLE_DECODE_FUSION=0; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
 bench() {  # name, timeout, command...
   local name=$1 limit=$2
@@ -75,6 +76,8 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
       kbase) bench kernel_base 200 env NIBBLE_FP4_STREAM=0 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
       tg) bench e2e_bench 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b ;;
       tgbase) bench e2e_base 120 env NIBBLE_FP4_STREAM=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
+        configs/gpt-oss-20b configs/gpt-oss-120b ;;
+      tgnofuse) bench e2e_nofuse 120 env NIBBLE_DECODE_FUSION=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;
       pp)
         for acts in fp16 hi-lo; do

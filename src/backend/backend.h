@@ -137,6 +137,12 @@ struct Routes {
   Tensor weights;  // [n_tokens, top_k] F32 routing weights
 };
 
+// An MoE block's input and its routes (Backend::add_rms_norm_route).
+struct NormRoutes {
+  Tensor h;  // [n_tokens, d_model] the normalized residual stream
+  Routes routes;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -168,6 +174,17 @@ class Backend {
   virtual Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                                    const BatchInfo& b) = 0;
   virtual Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) = 0;
+  // An MoE block's head: h = add_rms_norm(x, y, norm, eps) (x += y in place; y empty: rms_norm(x) alone),
+  // routes = moe_route(linear(h, router, router_bias), top_k, kind, renormalize). The same numbers as
+  // those ops in turn, which is what this default does; the CUDA backend runs it as one kernel at decode.
+  virtual NormRoutes add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps,
+                                        const Weight& router, const Tensor* router_bias, int top_k, RouterKind kind,
+                                        bool renormalize) {
+    NormRoutes r;
+    r.h = y.empty() ? rms_norm(x, norm, eps) : add_rms_norm(x, y, norm, eps);
+    r.routes = moe_route(linear(r.h, router, router_bias), top_k, kind, renormalize);
+    return r;
+  }
   virtual Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                              const GluParams& glu) = 0;  // [n_tokens, d_model]: sum_k w_k (fc2(glu(fc1 x)))
   virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up

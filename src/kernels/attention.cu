@@ -1,8 +1,10 @@
 // Attention kernels; see attention.cuh. A block of kWarps warps handles one (token, head, split): warps
 // take keys in turn, each lane holds head_dim / 32 dims of q and of the output, a key's logit is a warp
 // sum, and each warp keeps an online softmax (max, sum, weighted V). The block merges its warps into one
-// partial (max, sum, out) per split; attention_combine merges the splits and adds the sink to the
-// denominator (sink logits take part in the max, exactly as the reference softmax over [keys, sink]).
+// partial (max, sum, out) per split; combine_splits merges the splits and adds the sink to the
+// denominator (sink logits take part in the max, exactly as the reference softmax over [keys, sink]):
+// in the last split block of each (token, head) to finish when AttnShape::arrivals is given (one launch),
+// else in a second kernel.
 // With skip_min_new, tokens of long new runs (prefill chunks) are left to the tiled kernel.
 #include "kernels/attention.cuh"
 
@@ -39,13 +41,35 @@ __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename
   vc[slot * row + e] = KvElem<K>::enc(v[i]);
 }
 
+// Merges the splits of (token, head) th into out, adding the sink to the denominator. Loads bypass L1:
+// in the fused path the partials were written by other blocks of the same grid.
+__device__ void combine_splits(int64_t th, const float* __restrict__ ml, const float* __restrict__ po,
+                               const AttnShape& a, float* __restrict__ out) {
+  const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
+  float m = a.sinks ? a.sinks[h] : -INFINITY;
+  for (int s = 0; s < S; ++s) m = fmaxf(m, __ldcg(ml + 2 * (th * S + s)));
+  float l = a.sinks ? expf(a.sinks[h] - m) : 0.0f;  // the sink only adds to the denominator
+  for (int s = 0; s < S; ++s) {
+    const float ms = __ldcg(ml + 2 * (th * S + s));
+    if (ms != -INFINITY) l += __ldcg(ml + 2 * (th * S + s) + 1) * expf(ms - m);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float ms = __ldcg(ml + 2 * (th * S + s));
+      if (ms != -INFINITY) acc += __ldcg(po + (th * S + s) * hd + d) * expf(ms - m);
+    }
+    out[th * hd + d] = acc / l;
+  }
+}
+
 // Partials: ml [n_tokens, n_heads, n_splits, 2] (max, sum); po [n_tokens, n_heads, n_splits, head_dim].
 template <KvKind K>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __restrict__ q,
                                                              const typename KvElem<K>::T* __restrict__ kc,
                                                              const typename KvElem<K>::T* __restrict__ vc, DevBatch b,
                                                              AttnShape a, float* __restrict__ ml,
-                                                             float* __restrict__ po) {
+                                                             float* __restrict__ po, float* __restrict__ attn_out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   using E = KvElem<K>;
   const int h = blockIdx.x, split = blockIdx.z;
@@ -106,6 +130,20 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
     for (int w = 0; w < kWarps; ++w) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - bm);
     po[out * hd + d] = acc;
   }
+  if (!a.arrivals) return;  // attention_combine_kernel follows
+  // The last split of (token, head) to finish merges them all (its count reset for the next launch).
+  __shared__ bool last;
+  __threadfence();  // this block's partial is visible device-wide before it counts
+  __syncthreads();
+  const int64_t th = t * a.n_heads + h;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(&a.arrivals[th], 1u) == static_cast<unsigned>(a.n_splits) - 1;
+    if (last) a.arrivals[th] = 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_splits(th, ml, po, a, attn_out);
 }
 
 __global__ void attention_combine_kernel(const float* __restrict__ ml, const float* __restrict__ po, DevBatch b,
@@ -113,22 +151,7 @@ __global__ void attention_combine_kernel(const float* __restrict__ ml, const flo
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t th = blockIdx.x;  // token * n_heads + head
   if (skipped(b, a, th / a.n_heads)) return;
-  const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
-  float m = a.sinks ? a.sinks[h] : -INFINITY;
-  for (int s = 0; s < S; ++s) m = fmaxf(m, ml[2 * (th * S + s)]);
-  float l = a.sinks ? expf(a.sinks[h] - m) : 0.0f;  // the sink only adds to the denominator
-  for (int s = 0; s < S; ++s) {
-    const float ms = ml[2 * (th * S + s)];
-    if (ms != -INFINITY) l += ml[2 * (th * S + s) + 1] * expf(ms - m);
-  }
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float ms = ml[2 * (th * S + s)];
-      if (ms != -INFINITY) acc += po[(th * S + s) * hd + d] * expf(ms - m);
-    }
-    out[th * hd + d] = acc / l;
-  }
+  combine_splits(th, ml, po, a, out);
 }
 
 template <KvKind K>
@@ -137,8 +160,9 @@ void attention_for(const float* q, const void* kc, const void* vc, const DevBatc
   using T = typename KvElem<K>::T;
   float* ml = ws;
   float* po = ws + b.n_tokens * a.n_heads * a.n_splits * 2;
-  launch_pdl(attention_kernel<K>, dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po);
+  launch_pdl(attention_kernel<K>, dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po, out);
   CUDA_CHECK(cudaGetLastError());
+  if (a.arrivals) return;  // the splits combined themselves
   launch_pdl(attention_combine_kernel, b.n_tokens * a.n_heads, 64, 0, s, ml, po, b, a, out);
   CUDA_CHECK(cudaGetLastError());
 }

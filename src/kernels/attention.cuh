@@ -35,6 +35,9 @@ struct AttnShape {
   // takes them in the same step); seq_begin [n_seqs + 1] holds the sequences' token ranges.
   int skip_min_new = 0;
   const int32_t* seq_begin = nullptr;
+  // Non-null: n_tokens * n_heads zeroed counters (left zeroed); the last split of each (token, head) to
+  // finish merges the splits, so the attention is one launch. Null: a second kernel merges them.
+  unsigned* arrivals = nullptr;
 };
 // Scratch floats the launch needs for `n_tokens` tokens.
 int64_t attention_workspace_floats(int64_t n_tokens, const AttnShape& a);

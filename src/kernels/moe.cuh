@@ -7,10 +7,23 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
+
 namespace nb::cuda {
 
 // logits [n_tokens, n_experts] -> ids [n_tokens, top_k] I32, weights [n_tokens, top_k] F32.
 void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int top_k, bool softmax_first,
                       bool renormalize, int32_t* ids, float* weights, cudaStream_t s);
+
+// An MoE block's head at decode, one launch: x [T, d] += y [T, d] in place (y null: no add), h [T, d] =
+// rms_norm(x) * norm_w, logits [T, E] = router h + bias (router BF16 [E, d], bias [E] or null), then the
+// routes as launch_moe_route. arrivals: kNormRouteMaxTokens zeroed counters (left zeroed).
+inline constexpr int kNormRouteMaxTokens = 16;
+inline constexpr int kNormRouteMaxChunks = 16;  // 16-byte chunks per lane: d <= 4096
+inline constexpr int kNormRouteMaxExperts = 4096;
+bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k);
+void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,
+                       const DevWeight& router, const float* bias, int top_k, bool softmax_first, bool renormalize,
+                       float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, cudaStream_t s);
 
 }  // namespace nb::cuda

@@ -62,10 +62,10 @@ class GptOss final : public Model {
       Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
       Tensor a = be.attention(q, cache, l, b, attn).view({T, nh * hd});
       Tensor o = be.linear(a, L.attn.o, optional(L.attn.o_bias));
-      h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
-      Tensor logits = be.linear(h, L.router, &L.router_bias);  // [T, n_experts]
-      Routes routes = be.moe_route(logits, c.top_k, RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
-      y = be.moe_experts(h, routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit});
+      // x += o, h = its norm, and the top-k of the router's logits for h, in one op.
+      NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, &L.router_bias, c.top_k,
+                                           RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
+      y = be.moe_experts(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit});
     }
     x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
     x = be.gather_rows(x, b.logit_rows);

@@ -47,6 +47,10 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   const char* fp4_stream = std::getenv("NIBBLE_FP4_STREAM");
   if (fp4_stream && std::string(fp4_stream) != "0" && std::string(fp4_stream) != "1")
     return error(std::string("NIBBLE_FP4_STREAM=") + fp4_stream + ": expected 0 or 1");
+  // NIBBLE_DECODE_FUSION (CUDA decode fusions, a benchmark switch: CudaBackendOptions::decode_fusion): 0 or 1.
+  const char* fusion = std::getenv("NIBBLE_DECODE_FUSION");
+  if (fusion && std::string(fusion) != "0" && std::string(fusion) != "1")
+    return error(std::string("NIBBLE_DECODE_FUSION=") + fusion + ": expected 0 or 1");
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).
@@ -69,6 +73,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     co.moe_gemm_min_tokens = options.moe_gemm_min_tokens;
     co.gemm_fp16_activations = options.gemm_fp16_activations;
     if (gemm_acts) co.gemm_fp16_activations = std::string(gemm_acts) == "fp16";
+    if (fusion) co.decode_fusion = std::string(fusion) == "1";
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {

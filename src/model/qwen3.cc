@@ -65,12 +65,12 @@ class Qwen3 final : public Model {
       Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
       Tensor a = be.attention(q, cache, l, b, attn).view({T, nh * hd});
       Tensor o = be.linear(a, L.attn.o, optional(L.attn.o_bias));
-      h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
-      if (L.moe) {
-        Tensor logits = be.linear(h, L.router, nullptr);  // [T, n_experts]
-        Routes routes = be.moe_route(logits, c.top_k, RouterKind::kSoftmaxThenTopK, c.norm_topk_prob);
-        y = be.moe_experts(h, routes, L.experts, {Activation::kSilu, 0.0f});
+      if (L.moe) {  // x += o, h = its norm, and the top-k of the router's logits for h, in one op
+        NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, nullptr, c.top_k,
+                                             RouterKind::kSoftmaxThenTopK, c.norm_topk_prob);
+        y = be.moe_experts(m.h, m.routes, L.experts, {Activation::kSilu, 0.0f});
       } else {
+        h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
         Tensor gate = be.linear(h, L.mlp.gate, nullptr);
         Tensor up = be.linear(h, L.mlp.up, nullptr);
         y = be.linear(be.swiglu(gate, up), L.mlp.down, nullptr);

@@ -361,6 +361,14 @@ TEST_F(CudaOps, Attention) {
     if (dt == DType::kF32) {  // exact fp32: summation order only
       for (int window : {0, 128})
         for (bool sinks : {false, true}) run_attention(this, cpu_, **g, window, sinks, 2e-5f, ct, gt2);
+      // The splits merged by a second kernel instead of their last block.
+      o.decode_fusion = false;
+      auto g2 = CudaBackend::create(o);
+      ASSERT_TRUE(g2.ok());
+      auto gt3 = [&](const std::vector<float>& v, std::vector<int64_t> s) {
+        return (*g2)->upload(TensorView{v.data(), DType::kF32, std::move(s)});
+      };
+      run_attention(this, cpu_, **g2, 128, true, 2e-5f, ct, gt3);
       continue;
     }
     // Rounded caches: outputs are convex combinations of V (|v| ~ 1..4), logits shift by ~|q||k| * rounding.
@@ -458,6 +466,51 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     std::vector<float> tol(want.size());  // fp32 sums of ~k products: an absolute floor plus relative
     for (size_t i = 0; i < want.size(); ++i) tol[i] = 2e-4f + 2e-5f * std::abs(want[i]);
     expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant));
+  }
+}
+
+// add_rms_norm_route against the CPU's add_rms_norm, linear and moe_route in turn: the one-kernel decode
+// path (BF16 router, up to 16 tokens; gpt-oss-120b's and Qwen3-30B-A3B's shapes, no residual, run twice so
+// the arrival counters must have been reset) and the fallbacks (17 tokens; an fp32 router).
+TEST_F(CudaOps, AddRmsNormRoute) {
+  struct Case {
+    int64_t T, d;
+    int E, top_k;
+    RouterKind kind;
+    bool renormalize, bias, residual;
+    DType dense;
+  };
+  const Case cases[] = {
+      {1, 2880, 128, 4, RouterKind::kTopKThenSoftmax, false, true, true, DType::kBF16},
+      {3, 2048, 128, 8, RouterKind::kSoftmaxThenTopK, true, false, true, DType::kBF16},
+      {16, 64, 32, 4, RouterKind::kTopKThenSoftmax, false, true, false, DType::kBF16},
+      {17, 640, 8, 2, RouterKind::kSoftmaxThenTopK, false, false, true, DType::kBF16},
+      {2, 640, 8, 2, RouterKind::kTopKThenSoftmax, false, true, true, DType::kF32},
+  };
+  for (const Case& c : cases) {
+    const std::string what = "T " + std::to_string(c.T) + ", d " + std::to_string(c.d) + ", E " + std::to_string(c.E);
+    const Weight router = make_weight(hb_, WeightFormat::kBF16, c.E, c.d, 1, c.dense, 0.1f);
+    upload(router);
+    const std::vector<float> x = randn(c.T * c.d, 3.0f), y = randn(c.T * c.d), w = randn(c.d), bias = randn(c.E);
+    const Tensor cb = cpu_t(bias, {c.E}), gb = gpu_t(bias, {c.E});
+    const Tensor cy = c.residual ? cpu_t(y, {c.T, c.d}) : Tensor(), gy = c.residual ? gpu_t(y, {c.T, c.d}) : Tensor();
+    Tensor cx = cpu_t(x, {c.T, c.d});
+    const NormRoutes want = cpu_.add_rms_norm_route(cx, cy, cpu_t(w, {c.d}), 1e-5f, router, c.bias ? &cb : nullptr,
+                                                    c.top_k, c.kind, c.renormalize);
+    for (int run = 0; run < 2; ++run) {
+      Tensor gx = gpu_t(x, {c.T, c.d});
+      const NormRoutes got = gpu_->add_rms_norm_route(gx, gy, gpu_t(w, {c.d}), 1e-5f, router, c.bias ? &gb : nullptr,
+                                                      c.top_k, c.kind, c.renormalize);
+      expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {0.0f}, "residual sum, " + what);
+      expect_close(cpu_.to_host(want.h), gpu_->to_host(got.h), {2e-5f * 4}, "h, " + what);
+      // Softmaxes of logits summed in another order.
+      expect_close(cpu_.to_host(want.routes.weights), gpu_->to_host(got.routes.weights), {1e-4f}, "weights, " + what);
+      std::vector<int32_t> gids(c.T * c.top_k);
+      cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
+      cudaMemcpy(gids.data(), got.routes.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost);
+      for (int64_t i = 0; i < c.T * c.top_k; ++i)
+        ASSERT_EQ(want.routes.ids.data<int32_t>()[i], gids[i]) << "id " << i << ", " << what << ", run " << run;
+    }
   }
 }
 

@@ -151,14 +151,15 @@ def test_gemm_activations_env_is_checked():
         assert len(nibble(*args, env={"NIBBLE_GEMM_ACTIVATIONS": ok}).stdout.split()) == 2
 
 
-def test_fp4_stream_env_is_checked():
-    """NIBBLE_FP4_STREAM takes 0 or 1 (CUDA one-token FP4 GEMV); anything else is a one-line error."""
+@pytest.mark.parametrize("var", ["NIBBLE_FP4_STREAM", "NIBBLE_DECODE_FUSION"])
+def test_zero_one_env_is_checked(var):
+    """NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV) and NIBBLE_DECODE_FUSION (CUDA decode fusions) take 0 or
+    1; anything else is a one-line error."""
     model = ROOT / "models" / "default"
     args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
-    assert_one_line_error(nibble(*args, check=False, env={"NIBBLE_FP4_STREAM": "off"}),
-                          "NIBBLE_FP4_STREAM=off", "0 or 1")
+    assert_one_line_error(nibble(*args, check=False, env={var: "off"}), f"{var}=off", "0 or 1")
     for ok in ("0", "1"):
-        assert len(nibble(*args, env={"NIBBLE_FP4_STREAM": ok}).stdout.split()) == 2
+        assert len(nibble(*args, env={var: ok}).stdout.split()) == 2
 
 
 E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"

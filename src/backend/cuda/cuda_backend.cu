@@ -117,6 +117,7 @@ struct ExpertDev {
 // layer broke even at 32 and was 2.4x faster at 64.
 constexpr int kGemmMinTokens = 32;
 constexpr int kMoeGemmMinTokens = 48;
+constexpr int64_t kArrivals = 65536;  // Impl::arrivals
 
 KvKind kv_kind_of(DType t) {
   switch (t) {
@@ -151,6 +152,10 @@ struct CudaBackend::Impl {
   std::vector<int32_t> h_logit_rows;
   std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
   std::unique_ptr<cuda::DenseGemm> dense_gemm;  // cuBLASLt, made at the first BF16 prefill GEMM
+  // Arrival counters for kernels whose last block to finish does a reduction (norm_route, attention):
+  // zeroed once here, and every such kernel leaves the counters it used at zero. Stream order keeps two
+  // kernels from using them at once (a PDL kernel touches them only after its pdl_wait).
+  unsigned* arrivals = nullptr;
 
   ~Impl() {
     if (stream) cudaStreamSynchronize(stream);
@@ -162,6 +167,7 @@ struct CudaBackend::Impl {
     }
     graphs.clear();
     for (void* p : owned) cudaFree(p);
+    if (arrivals) cudaFree(arrivals);
     experts.clear();
     rope_tables.clear();
     d_batch = Tensor();
@@ -321,6 +327,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   impl->info = info;
   impl->options = options;
   NB_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&impl->arrivals, kArrivals * sizeof(unsigned)), "cudaMalloc"));
+  NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->arrivals, 0, kArrivals * sizeof(unsigned)), "cudaMemset"));
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -612,6 +620,7 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   // grows (splits beyond the context are empty and cost one idle block each).
   const int64_t want = (8 * impl_->info.sm_count + a.n_heads * n_split_tokens - 1) / (a.n_heads * n_split_tokens);
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
+  if (impl_->options.decode_fusion && b.n_tokens() * a.n_heads <= kArrivals) a.arrivals = impl_->arrivals;
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
                          db, a, ws.data<float>(), out.data<float>(), impl_->stream);
@@ -625,6 +634,31 @@ Routes CudaBackend::moe_route(const Tensor& logits, int top_k, RouterKind kind, 
   cuda::launch_moe_route(logits.data<float>(), n_tokens, static_cast<int>(n_experts), top_k,
                          kind == RouterKind::kSoftmaxThenTopK, renormalize, r.ids.data<int32_t>(),
                          r.weights.data<float>(), impl_->stream);
+  return r;
+}
+
+NormRoutes CudaBackend::add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps,
+                                           const Weight& router, const Tensor* router_bias, int top_k,
+                                           RouterKind kind, bool renormalize) {
+  check_f32(x, "add_rms_norm_route");
+  const int64_t T = x.dim(0), d = x.dim(-1);
+  const cuda::DevWeight dw = impl_->dev_weight(router);
+  // Many tokens (prefill) or a router the kernel does not read: the three ops in turn.
+  if (!impl_->options.decode_fusion || x.rank() != 2 || !cuda::norm_route_supports(dw, T, top_k) || dw.k != d)
+    return Backend::add_rms_norm_route(x, y, norm, eps, router, router_bias, top_k, kind, renormalize);
+  if (!y.empty()) check_f32(y, "add_rms_norm_route");
+  NB_CHECK((y.empty() || y.numel() == x.numel()) && norm.numel() == d && (!router_bias || router_bias->numel() == router.n),
+           "add_rms_norm_route: x " + shape_string(x.shape) + ", y " + shape_string(y.shape) + ", norm " +
+               shape_string(norm.shape) + ", router " + router.shape_string());
+  NormRoutes r;
+  r.h = alloc(DType::kF32, x.shape);
+  r.routes = Routes{alloc(DType::kI32, {T, top_k}), alloc(DType::kF32, {T, top_k})};
+  Tensor logits = alloc(DType::kF32, {T, router.n});
+  cuda::launch_norm_route(x.data<float>(), y.empty() ? nullptr : y.data<float>(), norm.data<float>(), eps, T, dw,
+                          router_bias ? router_bias->data<float>() : nullptr, top_k,
+                          kind == RouterKind::kSoftmaxThenTopK, renormalize, r.h.data<float>(), logits.data<float>(),
+                          r.routes.ids.data<int32_t>(), r.routes.weights.data<float>(), impl_->arrivals,
+                          impl_->stream);
   return r;
 }
 

@@ -34,6 +34,11 @@ struct CudaBackendOptions {
   // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
   // split kernel wins at 1-2 new tokens, the tiled one from 4 (1.7x) and 8 (3x); see bench/NOTES.md.
   int prefill_attention_min_tokens = 8;
+  // Decode fusions (NIBBLE_DECODE_FUSION=0 turns them off: a benchmark baseline, and the tests' way to
+  // cover the unfused kernels): add + RMSNorm + router + top-k as one kernel (add_rms_norm_route), and
+  // decode attention merging its context splits in the last split block of each (token, head) instead
+  // of a second kernel (which steps beyond 65536 (token, head) pairs use anyway).
+  bool decode_fusion = true;
 };
 
 struct CudaLoadStats {
@@ -74,6 +79,8 @@ class CudaBackend final : public Backend, public WeightFactory {
   Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                            const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
+  NormRoutes add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& router,
+                                const Tensor* router_bias, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                      const GluParams& glu) override;
   Tensor swiglu(const Tensor& gate, const Tensor& up) override;
