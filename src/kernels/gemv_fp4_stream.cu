@@ -25,7 +25,8 @@
 // template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). The
 // next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
-// overlap the activation staging.
+// overlap the activation staging; so does FC2, whose routes are older than FC1 (launch_moe_fc2's
+// contract), with its experts' descriptors.
 #include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
@@ -558,16 +559,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ float s_weights[kMaxRows];
   __shared__ float part[2][kWarps][2];
   stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
-  pdl_wait();      // act, ids and weights come from the previous kernels
-  Held h;
-  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);  // in flight while the descriptors are fetched
-  copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
   const int warp = threadIdx.x >> 5, groups = (blockDim.x >> 5) / top_k, stride = gridDim.x * groups;
   const int real_pairs = (tab.d_model + 1) / 2;
   Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, 1, real_pairs, top_k, warp % top_k};
   const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
   Item cur[NC];
-  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);  // in flight while act is staged
+  // ids and weights were complete before the previous kernel (FC1) began (launch_moe_fc2's contract), and
+  // FC1 let this kernel launch only after its own pdl_wait, so they, the experts' descriptors and the
+  // first unit's weights are read before ours: only act comes from FC1.
+  copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
+  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
+  pdl_wait();  // act comes from the previous kernel
+  Held h;
+  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
   __syncthreads();
   stage_scales(top_k, ss);

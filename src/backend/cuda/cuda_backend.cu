@@ -715,6 +715,8 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   const ExpertDev& d = impl_->expert_tables(ex);
   NB_CHECK(act.dim(0) == n_tokens * top_k && act.dim(1) == ex.d_expert, "moe_fc2: act " + shape_string(act.shape));
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
+  // The routes are older than the kernel before this one (moe_experts launches FC2 right after FC1 with the
+  // same routes; the benchmark makes them first), as launch_moe_fc2 needs.
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                        static_cast<int>(top_k), act.data<float>(), y.data<float>(), impl_->stream);
   return y;

@@ -89,7 +89,8 @@ class CudaBackend final : public Backend, public WeightFactory {
   std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
 
   // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
-  // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine.
+  // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine. moe_fc2's routes must be complete
+  // before the kernel preceding it begins (as after moe_fc1 with the same routes).
   Tensor moe_fc1(const Tensor& x, const Routes& routes, const MoeExperts& experts, const GluParams& glu);
   Tensor moe_fc2(const Tensor& act, const Routes& routes, const MoeExperts& experts);
 
