@@ -464,15 +464,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
       }
       if (part == 0 && t == 0 && tile < n_tiles && j < d) {
         gate = gate * unscale[0] + bias_g, up = up * unscale[0] + bias_u;
-        float a;
-        if (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) {
-          gate = fminf(gate, limit);
-          up = fminf(fmaxf(up, -limit), limit);
-          a = gate / (1.0f + expf(-1.702f * gate)) * (up + 1.0f);
-        } else {
-          a = gate / (1.0f + expf(-gate)) * up;
-        }
-        act[static_cast<int64_t>(p) * d + j] = a;
+        const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
+        act[static_cast<int64_t>(p) * d + j] = glu_value(gate, up, gpt_oss, limit);
       }
     }
   }
