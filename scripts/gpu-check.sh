@@ -2,6 +2,9 @@
 # On the GPU machine, in one call: unpack the carried Debian build deps (.deps/debs, no network
 # there), build for the local GPU's arch, run every GPU test and the benchmarks, print a short table.
 # Usage (device tool, carry [".deps"]): bash scripts/gpu-check.sh [--goldens]
+#        bash scripts/gpu-check.sh --tree-hash   prints the source fingerprint it writes to $OUT/tree.txt
+#                                                (run it here to tie device numbers to a local commit: the
+#                                                device copy's git metadata can be stale)
 #   NIBBLE_SKIP_BENCH=1 skips the benchmarks, NIBBLE_BENCHES="kernel tg pp gemm attn" picks them (below);
 #   NIBBLE_CTEST_FILTER=regex runs only matching tests;
 #   NIBBLE_BUILD_DIR (default build-gpu); NIBBLE_TARGETS="a b" builds only those targets (default all)
@@ -9,6 +12,12 @@
 #              leave them in $OUT/goldens.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Fingerprint of the sources that make the binaries (not git's: the device may hold an old .git).
+tree_hash() {
+  find CMakeLists.txt src bench tests scripts configs -type f ! -path 'tests/data/*' ! -path '*/__pycache__/*' -print0 | sort -z |
+    xargs -0 sha1sum | sha1sum | cut -c1-12
+}
+if [ "${1:-}" = "--tree-hash" ]; then tree_hash; exit 0; fi
 OUT=${OUT:-/tmp/nibble-out}
 mkdir -p "$OUT"
 ROOT=$PWD/.deps/root
@@ -70,6 +79,8 @@ bench() {  # name, timeout, command...
 }
 if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
+  tree_hash >"$OUT/tree.txt"
+  echo "source fingerprint (scripts/gpu-check.sh --tree-hash): $(cat "$OUT/tree.txt")"
   for b in ${NIBBLE_BENCHES:-kernel kbase tg tgbase pp gemm attn}; do
     case $b in
       kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
