@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # Fingerprint of the sources that make the binaries (not git's: the device may hold an old .git).
 tree_hash() {
-  find CMakeLists.txt src bench tests scripts configs -type f ! -path 'tests/data/*' ! -path '*/__pycache__/*' -print0 | sort -z |
+  find CMakeLists.txt src bench tests scripts configs -type f ! -path 'tests/data/*' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z |
     xargs -0 sha1sum | sha1sum | cut -c1-12
 }
 if [ "${1:-}" = "--tree-hash" ]; then tree_hash; exit 0; fi
