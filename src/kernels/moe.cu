@@ -83,8 +83,8 @@ __global__ void route_kernel(const float* __restrict__ logits, int n_experts, in
 // by then -- and runs the top-k on the logits the others left in global memory.
 constexpr int kNormRouteWarps = 8;
 constexpr int kNormRouteThreads = kNormRouteWarps * 32;
-constexpr int kNormRouteMaxVec = kNormRouteMaxChunks * 8 * 32 / 4 / kNormRouteThreads;  // float4s per thread
-static_assert(kNormRouteMaxVec * 4 * kNormRouteThreads == kNormRouteMaxChunks * 8 * 32);
+constexpr int kNormRouteMaxVec = kNormRouteMaxDim / 4 / kNormRouteThreads;  // float4s per thread
+static_assert(kNormRouteMaxVec * 4 * kNormRouteThreads == kNormRouteMaxDim);
 
 __global__ void __launch_bounds__(kNormRouteThreads)
     norm_route_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ norm_w, int d,
@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kNormRouteThreads)
   __syncwarp();
   route_warp(sl, n_experts, top_k, softmax_first, renormalize, ids + t * top_k, weights + t * top_k);
 }
+
 }  // namespace
 
 void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int top_k, bool softmax_first,
@@ -201,7 +202,7 @@ void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int 
 
 bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k) {
   return router.kind == WKind::kBF16 && router.n_parts == 1 && router.vec_ok && router.k % 8 == 0 &&
-         router.k <= kNormRouteMaxChunks * 8 * 32 && n_tokens >= 1 && n_tokens <= kNormRouteMaxTokens &&
+         router.k <= kNormRouteMaxDim && n_tokens >= 1 && n_tokens <= kNormRouteMaxTokens &&
          top_k >= 1 && top_k <= kMaxTopK && top_k <= router.n && router.n <= kNormRouteMaxExperts;
 }
 

@@ -19,7 +19,8 @@ void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int 
 // rms_norm(x) * norm_w, logits [T, E] = router h + bias (router BF16 [E, d], bias [E] or null), then the
 // routes as launch_moe_route. arrivals: kNormRouteMaxTokens zeroed counters (left zeroed).
 inline constexpr int kNormRouteMaxTokens = 16;
-inline constexpr int kNormRouteMaxChunks = 16;  // 16-byte chunks per lane: d <= 4096
+inline constexpr int kNormRouteMaxChunks = 16;  // 16-byte chunks (8 BF16) per lane of a router row
+inline constexpr int kNormRouteMaxDim = kNormRouteMaxChunks * 8 * 32;  // d <= 4096
 inline constexpr int kNormRouteMaxExperts = 4096;
 bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k);
 void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,

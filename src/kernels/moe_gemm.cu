@@ -52,7 +52,6 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
   }
 }
 
-
 // Which tile this block runs: (expert, its first slot, rows), or false past the listed tiles.
 template <int kBM>
 __device__ __forceinline__ bool tile_of(const int2* tiles, const int32_t* n_tiles, const int32_t* offsets, int& e,

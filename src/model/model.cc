@@ -14,6 +14,14 @@
 namespace nb {
 namespace {
 
+// Environment variable `name`: null when unset, else its value, which must be `a` or `b`.
+Result<const char*> env_choice(const char* name, const char* a, const char* b) {
+  const char* v = std::getenv(name);
+  if (v && std::string(v) != a && std::string(v) != b)
+    return error(std::string(name) + "=" + v + ": expected " + a + " or " + b);
+  return v;
+}
+
 // What every architecture needs from the config; a zero here would divide or index out of range.
 Status check_dims(const ModelConfig& c) {
   auto need = [](bool ok, const std::string& what) { return ok ? Status() : error("config.json: " + what); };
@@ -38,19 +46,13 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
     : config_(std::move(config)), checkpoint_(std::move(checkpoint)), backend_(std::move(backend)) {}
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
-  // NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits, slower); checked on
-  // every backend so that a misspelt value is an error, not a silently ignored setting.
-  const char* gemm_acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
-  if (gemm_acts && std::string(gemm_acts) != "fp16" && std::string(gemm_acts) != "hi-lo")
-    return error(std::string("NIBBLE_GEMM_ACTIVATIONS=") + gemm_acts + ": expected fp16 or hi-lo");
-  // NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, a benchmark switch): 0 or 1, checked the same way.
-  const char* fp4_stream = std::getenv("NIBBLE_FP4_STREAM");
-  if (fp4_stream && std::string(fp4_stream) != "0" && std::string(fp4_stream) != "1")
-    return error(std::string("NIBBLE_FP4_STREAM=") + fp4_stream + ": expected 0 or 1");
-  // NIBBLE_DECODE_FUSION (CUDA decode fusions, a benchmark switch: CudaBackendOptions::decode_fusion): 0 or 1.
-  const char* fusion = std::getenv("NIBBLE_DECODE_FUSION");
-  if (fusion && std::string(fusion) != "0" && std::string(fusion) != "1")
-    return error(std::string("NIBBLE_DECODE_FUSION=") + fusion + ": expected 0 or 1");
+  // Environment switches, checked on every backend so that a misspelt value is an error, not a silently
+  // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits,
+  // slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read by the kernels)
+  // and NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion).
+  NB_ASSIGN_OR_RETURN(const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
+  NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
+  NB_ASSIGN_OR_RETURN(const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).

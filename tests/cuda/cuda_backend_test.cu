@@ -17,6 +17,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "kernels/moe.cuh"
 #include "formats/scalar.h"
 #include "model/rope.h"
 #include "runtime/sampler.h"
@@ -487,8 +488,14 @@ TEST_F(CudaOps, AddRmsNormRoute) {
       {17, 640, 8, 2, RouterKind::kSoftmaxThenTopK, false, false, true, DType::kBF16},
       {2, 640, 8, 2, RouterKind::kTopKThenSoftmax, false, true, true, DType::kF32},
   };
-  for (const Case& c : cases) {
+  for (size_t ci = 0; ci < std::size(cases); ++ci) {
+    const Case& c = cases[ci];
     const std::string what = "T " + std::to_string(c.T) + ", d " + std::to_string(c.d) + ", E " + std::to_string(c.E);
+    // The first three cases are the one-kernel path, the last two the fallbacks (as the comment says).
+    cuda::DevWeight shape;
+    shape.kind = c.dense == DType::kF32 ? cuda::WKind::kF32 : cuda::WKind::kBF16;
+    shape.n = c.E, shape.k = static_cast<int32_t>(c.d), shape.n_parts = 1, shape.vec_ok = true;
+    ASSERT_EQ(cuda::norm_route_supports(shape, c.T, c.top_k), ci < 3) << what;
     const Weight router = make_weight(hb_, WeightFormat::kBF16, c.E, c.d, 1, c.dense, 0.1f);
     upload(router);
     const std::vector<float> x = randn(c.T * c.d, 3.0f), y = randn(c.T * c.d), w = randn(c.d), bias = randn(c.E);
