@@ -123,6 +123,7 @@ std::unique_ptr<CudaBackend> backend(int min_tokens, bool fp16) {
   CudaBackendOptions o;
   o.gemm_min_tokens = o.moe_gemm_min_tokens = min_tokens;
   o.gemm_fp16_activations = fp16;
+  if (const char* e = std::getenv("NIBBLE_GEMM_WS")) o.gemm_ws = std::string(e) == "0" ? 0 : 1;  // A/B runs
   auto be = CudaBackend::create(o);
   NB_CHECK(be.ok(), be.status().message());
   return std::move(be.value());

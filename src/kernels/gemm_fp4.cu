@@ -8,6 +8,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
 #include "kernels/gemm_fp4_wgmma.cuh"
+#include "kernels/gemm_fp4_ws.cuh"
 
 #include <cstdlib>
 
@@ -23,7 +24,8 @@ constexpr int kPrepWarps = 8;
 __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const float* __restrict__ x,
                                                                       const int32_t* __restrict__ gather,
                                                                       int gather_div, int rows, int k, bool split,
-                                                                      bool wgmma_order, __half* __restrict__ hi,
+                                                                      bool wgmma_order, int64_t tiled_mp,
+                                                                      __half* __restrict__ hi,
                                                                       __half* __restrict__ lo,
                                                                       float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -41,6 +43,23 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   const int sh = fp16_prescale_shift(mx);
   const float pre = ldexpf(1.0f, sh);
   if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  if (tiled_mp > 0) {
+    // One 16-byte chunk (8 elements, order 0 4 1 5 2 6 3 7) per lane and step, at its core-matrix place;
+    // the k pad up to whole k-tiles as zeros.
+    uint4* dst = reinterpret_cast<uint4*>(hi);
+    for (int q = lane; q < wg::padded_k(k) / 8; q += 32) {
+      float v[8] = {};
+      if (8 * q < k) {
+        const float4 a = __ldg(src + 2 * q), b = __ldg(src + 2 * q + 1);
+        const float u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int i = 0; i < 8; ++i) v[i] = u[i] * pre;
+      }
+      uint4 h, l;
+      split_octet(v, h, l);
+      dst[ws::chunk_of(r, q / 8, q % 8, tiled_mp)] = h;
+    }
+    return;
+  }
   if (wgmma_order) {
     // Lane l writes stored positions 2l, 2l + 1 of each k-tile (one 32-bit store), which hold physical
     // elements j and j + 4; the pad past k as zeros.
@@ -91,6 +110,42 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<BM, kSplit>::kMinBlocks
     if (n0 + ra < n) dst[ra] = va + (bias ? bias[n0 + ra] : 0.0f);
     if (n0 + rb < n) dst[rb] = vb + (bias ? bias[n0 + rb] : 0.0f);
   });
+}
+
+// The warp-specialized sm_90a tile (gemm_fp4_ws.cuh), persistent: one block per SM walks tiles of 128 weight
+// rows x 256 tokens; warpgroup 2 decodes the weights (R: its code ring's depth, ws::ring_for) and
+// starts the activation copies, warpgroups 0 and 1 run the wgmmas and the epilogue. a_tiles: tiled fp16
+// activations of mp rows (GemmActivations::tiled).
+template <WKind K, int R>
+__global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __grid_constant__ DevWeight w,
+                                                                      const uint8_t* __restrict__ a_tiles,
+                                                                      const float* __restrict__ unscale, int64_t mp,
+                                                                      int m, const float* __restrict__ bias,
+                                                                      float* __restrict__ y) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t bars[2 * ws::kStages];
+  __shared__ float us[(ws::kStages + 1) * ws::kBM];
+  const int tid = threadIdx.x;
+  const ws::Pipe p{smem, bars, bars + ws::kStages, us};
+  const int col_tiles = (w.n + ws::kBN - 1) / ws::kBN;
+  const ws::Sched sc{col_tiles, col_tiles * ((m + ws::kBM - 1) / ws::kBM), (w.k + ws::kBK - 1) / ws::kBK};
+  if (tid < ws::kStages) {
+    ws::mbar_init(p.full + tid, 129);  // 128 decoder threads + decoder thread 0's byte count
+    ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
+  }
+  ws::mbar_fence_init();
+  __syncthreads();
+  if (tid >= 256) return ws::decoder<K, R>(p, sc, w, a_tiles, mp, unscale, m);
+  float acc[128];
+  for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
+    ws::multiply_tile(p, sc, g, acc);
+    const int tile = sc.tile(it), m0 = sc.m0(tile);
+    ws::epilogue<K>(acc, w, p.tile_unscale(it), bias, y, sc.n0(tile), m0, min(ws::kBM, m - m0));
+  }
+#else
+  __trap();  // only the sm_90a build has this tile (gemm_tiled says when it runs)
+#endif
 }
 
 template <WKind K, int BM, bool kSplit>
@@ -150,9 +205,34 @@ void gemm_wgmma_for(const DevWeight& w, const GemmActivations& a, int64_t m, con
                kSplit ? a.lo : a.hi, a.unscale, a.ld, static_cast<int>(m), bias, y);
 }
 
+template <WKind K, int R>
+void gemm_ws_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  auto kernel = gemm_fp4_ws_kernel<K, R>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmem));
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, ws::kBM);
+  kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), ws::kThreads, ws::kSmem, s>>>(
+      w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <WKind K>
+void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  switch (ws::ring_for(ceil_div(w.k, ws::kBK))) {
+    case 5: return gemm_ws_launch<K, 5>(w, a, m, bias, y, s);
+    case 4: return gemm_ws_launch<K, 4>(w, a, m, bias, y, s);
+    case 3: return gemm_ws_launch<K, 3>(w, a, m, bias, y, s);
+    case 2: return gemm_ws_launch<K, 2>(w, a, m, bias, y, s);
+    default: return gemm_ws_launch<K, 1>(w, a, m, bias, y, s);
+  }
+}
+
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
+  if (a.tiled) return gemm_ws_for<K>(w, a, m, bias, y, s);
   if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
     if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
     if (pick_bm(m, w.n) == 128) return gemm_wgmma_for<K, 128, false>(w, a, m, bias, y, s);
@@ -187,15 +267,27 @@ bool gemm_wgmma() {
   return on;
 }
 
-int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode) {
-  const int64_t half = (rows * wg::padded_k(k) * 2 + 255) / 256 * 256;
+bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
+  if (policy == 0 || mode != GemmActs::kFp16 || m < ws::kBM || !gemm_wgmma()) return false;
+  if (policy == 1) return true;
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM) >= sms;
+}
+
+int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {
+  const int64_t half = ((tiled ? ws::padded_rows(rows) : rows) * wg::padded_k(k) * 2 + 255) / 256 * 256;
   return (mode == GemmActs::kSplit ? 2 : 1) * half + rows * 4;
 }
 
-GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode) {
-  const int64_t half = (rows * wg::padded_k(k) * 2 + 255) / 256 * 256;
+GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode, bool tiled) {
+  NB_CHECK(!tiled || mode == GemmActs::kFp16, "gemm activations: tiled needs one fp16");
+  const int64_t half = ((tiled ? ws::padded_rows(rows) : rows) * wg::padded_k(k) * 2 + 255) / 256 * 256;
   uint8_t* p = static_cast<uint8_t*>(buf);
   GemmActivations a;
+  a.tiled = tiled;
+  a.mp = tiled ? ws::padded_rows(rows) : 0;
   a.wgmma = gemm_wgmma();
   a.ld = a.wgmma ? wg::padded_k(k) : k;
   a.hi = reinterpret_cast<__half*>(p);
@@ -210,7 +302,7 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
            "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
   const bool split = mode == GemmActs::kSplit;
   activations_kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(
-      x, gather, gather_div, static_cast<int>(rows), k, split, out.wgmma, out.hi, split ? out.lo : out.hi, out.unscale);
+      x, gather, gather_div, static_cast<int>(rows), k, split, out.wgmma, out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi, out.unscale);
   CUDA_CHECK(cudaGetLastError());
 }
 

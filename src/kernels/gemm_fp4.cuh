@@ -30,18 +30,27 @@ bool gemm_wgmma();
 // The fp16 form of activations: hi, lo [rows, ld] (lo unused for kFp16), unscale [rows] = the power of two
 // that undoes the row's scaling. The k order is the tile's: for the portable tile every 8 elements as
 // 0,4,1,5,2,6,3,7 with ld = k; for the wgmma tile its stored order (gemm_fp4_wgmma.cuh stored_of) with k
-// padded to whole 64-wide k-tiles (zeros), ld = padded k.
+// padded to whole 64-wide k-tiles (zeros), ld = padded k. tiled (the warp-specialized sm_90a tile,
+// gemm_fp4_ws.cuh; one fp16 only): hi holds 8 x 8 core matrices per (k-tile, 8 rows), rows padded to mp
+// (ws::chunk_of), ld unused.
 struct GemmActivations {
   __half* hi = nullptr;
   __half* lo = nullptr;
   float* unscale = nullptr;
   int64_t ld = 0;
   bool wgmma = false;
+  bool tiled = false;
+  int64_t mp = 0;  // tiled: rows padded to whole token tiles
 };
 
+// Whether launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on the warp-specialized sm_90a tile
+// (gemm_fp4_ws.cuh), which needs its activations tiled. policy: -1 when its grid fills the GPU, 0 never,
+// 1 whenever it can (sm_90a, one fp16, m >= 256); CudaBackendOptions::gemm_ws.
+bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy);
+
 // Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).
-int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode);
-GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode);
+int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled = false);
+GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode, bool tiled = false);
 
 // Row r of the output converts row gather[r] / gather_div of x [.., k] (or row r when gather is null).
 void launch_gemm_activations(const float* x, const int32_t* gather, int gather_div, int64_t rows, int k, GemmActs mode,

@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "kernels/gemm_fp4.cuh"
 #include "support/random_inputs.h"
 
 namespace nb {
@@ -68,6 +70,10 @@ class PrefillGemm : public ::testing::Test {
       o.gemm_min_tokens = 1;
       o.moe_gemm_min_tokens = 1;
       o.gemm_fp16_activations = mode == 1;
+      // One-fp16 dense GEMMs of >= 256 tokens take the warp-specialized sm_90a tile wherever it exists;
+      // NIBBLE_GEMM_WS=0 (the ctest entry gemm_cuda_test_wgmma_tile) keeps them on the wgmma tile.
+      const char* ws = std::getenv("NIBBLE_GEMM_WS");
+      o.gemm_ws = ws_policy_ = ws && std::string(ws) == "0" ? 0 : 1;
       auto g = CudaBackend::create(o);
       if (!g.ok()) GTEST_SKIP() << g.status().message();
       gpu_[mode] = std::move(g.value());
@@ -103,6 +109,7 @@ class PrefillGemm : public ::testing::Test {
 
   CpuBackend cpu_{4};
   std::unique_ptr<CudaBackend> gpu_[2];
+  int ws_policy_ = 1;
   HostBytes hb_;
 };
 
@@ -116,11 +123,15 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
   };
   const Case cases[] = {
       {WeightFormat::kMXFP4, 200, 2880, 1, false, {1, 70, 129}},       // k not a multiple of 64 (tail half tile)
-      {WeightFormat::kMXFP4, 130, 96, 2, true, {5, 64, 200}},          // exponents at both ends of the exact range
-      {WeightFormat::kNVFP4, 77, 160, 3, false, {3, 127, 130}},        // 3 parts: multiply, divide, multiply
+      {WeightFormat::kMXFP4, 130, 96, 2, true, {5, 64, 200, 300}},     // exponents at both ends of the exact range
+      {WeightFormat::kNVFP4, 77, 160, 3, false, {3, 127, 130, 260}},   // 3 parts: multiply, divide, multiply
+      {WeightFormat::kNVFP4, 300, 2912, 2, false, {513}},              // 256-token tiles: a partial one, a half k-tile
       {WeightFormat::kNVFP4, 256, 512, 2, false, {64, 65}},
       {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
+      {WeightFormat::kMXFP4, 4096, 64, 1, false, {4111}},              // one k-tile, ~4 tiles per block (ws ring)
   };
+  std::printf("one-fp16 GEMMs of >= 256 tokens on the warp-specialized sm_90a tile: %s\n",
+              cuda::gemm_tiled(300, 130, cuda::GemmActs::kFp16, ws_policy_) ? "yes" : "no");
   for (const Case& c : cases) {
     const Weight w = make_fp4(hb_, c.f, c.n, c.k, c.parts, c.extreme);
     upload(w);

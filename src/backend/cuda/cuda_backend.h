@@ -39,6 +39,10 @@ struct CudaBackendOptions {
   // decode attention merging its context splits in the last split block of each (token, head) instead
   // of a second kernel (which steps beyond 65536 (token, head) pairs use anyway).
   bool decode_fusion = true;
+  // FP4 dense prefill GEMMs on the warp-specialized sm_90a tile (gemm_fp4_ws.cuh, one-fp16 activations
+  // only): -1 where its 128 x 256 blocks fill the GPU, 0 never (the wgmma tile), 1 from 256 tokens on
+  // (tests). NIBBLE_GEMM_WS=0|1.
+  int gemm_ws = -1;
 };
 
 struct CudaLoadStats {
