@@ -1,6 +1,7 @@
-// Dense FP4 GEMM (see gemm_fp4.cuh, the tile in gemm_fp4_tile.cuh) and the fp32 -> fp16 activation
-// conversion that every tensor-core GEMM here reads. Grid: x over 128-column weight tiles, y over BM-row
-// token tiles; the tile height is the one heuristic (pick_bm).
+// Dense FP4 GEMM (see gemm_fp4.cuh; the tiles in gemm_fp4_tile.cuh, gemm_fp4_wgmma.cuh, gemm_fp4_ws.cuh) and
+// the fp32 -> fp16 activation conversion that every tensor-core GEMM here reads. Grid: x over 128-column
+// weight tiles, y over BM-row token tiles (the warp-specialized tile: one persistent block per SM). The
+// heuristics: the tile height (pick_bm) and where the warp-specialized tile runs (gemm_tiled).
 #include "kernels/gemm_fp4.cuh"
 
 #include <algorithm>
