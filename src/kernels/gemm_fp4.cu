@@ -173,11 +173,17 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<BM, kSplit>::kLaunchMinBl
   });
 }
 
-// Token-tile height: 128 rows when that still gives two blocks per SM, else 64 (more, smaller blocks).
-int pick_bm(int64_t m, int n) {
+// The current device's SM count (the grids below are sized by it).
+int sm_count() {
   int device = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// Token-tile height: 128 rows when that still gives two blocks per SM, else 64 (more, smaller blocks).
+int pick_bm(int64_t m, int n) {
+  const int sms = sm_count();
   const int64_t blocks = static_cast<int64_t>(ceil_div(n, kBN)) * ceil_div(m, 128);
   return blocks >= 2 * sms ? 128 : 64;
 }
@@ -210,9 +216,7 @@ template <WKind K, int R>
 void gemm_ws_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
   auto kernel = gemm_fp4_ws_kernel<K, R>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmem));
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, ws::kBM);
   kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), ws::kThreads, ws::kSmem, s>>>(
       w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
@@ -271,10 +275,7 @@ bool gemm_wgmma() {
 bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
   if (policy == 0 || mode != GemmActs::kFp16 || m < ws::kBM || !gemm_wgmma()) return false;
   if (policy == 1) return true;
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM) >= sms;
+  return static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM) >= sm_count();
 }
 
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {
