@@ -68,6 +68,9 @@ fi
 #   tgbase  tg128 at dense format mxfp4 without the row-streaming kernels (baseline, same run)
 #   tgnofuse  tg128 at dense format mxfp4 without the decode fusions (NIBBLE_DECODE_FUSION=0; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
+#   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
+#           default mxfp4): per kernel, calls, duration and how far it moves the step's end
+#           (tools/bench/decode_timeline.py); not in the default list
 bench() {  # name, timeout, command...
   local name=$1 limit=$2
   shift 2
@@ -97,6 +100,17 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
         done ;;
       gemm) bench gemm_bench 300 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-} ;;
       attn) bench attention_bench 200 "$B"/src/nibble_attention_bench ;;
+      profile)  # kernel timeline of tg128 (CUPTI, graph nodes included): per kernel, duration and critical-path advance
+        rm -rf /tmp/prof && mkdir -p /tmp/prof
+        cuda=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+        cupti=$(dirname "$(find "$cuda"/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+        g++ -shared -fPIC -O2 tools/bench/kernel_trace.cc -I"$cuda/include" -I"$cuda/extras/CUPTI/include" \
+          -L"$cupti" -lcupti -Wl,-rpath,"$cupti" -o /tmp/prof/libkernel_trace.so
+        for m in ${NIBBLE_PROFILE_MODELS:-gpt-oss-120b}; do
+          NIBBLE_TRACE_CSV=/tmp/prof/$m.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench --pp '' \
+            --dense-formats "${NIBBLE_PROFILE_FORMAT:-mxfp4}" "configs/$m" 2>&1 | grep -E "kernel_trace|tok/s|\| configs"
+          bench "profile_$m" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$m.csv
+        done ;;
     esac
   done
 fi

@@ -42,24 +42,40 @@ __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename
 }
 
 // Merges the splits of (token, head) th into out, adding the sink to the denominator. Loads bypass L1:
-// in the fused path the partials were written by other blocks of the same grid.
+// in the fused path the partials were written by other blocks of the same grid. Every load of a phase is
+// issued at once -- the first warp's lanes read the splits' (max, sum) pairs, then each thread's output
+// dims read all splits' partials in an unrolled loop -- so the merge costs two memory round trips rather
+// than one per split (it runs in the last split block, on the decode step's critical path).
+constexpr int kMaxSplits = 64;
 __device__ void combine_splits(int64_t th, const float* __restrict__ ml, const float* __restrict__ po,
                                const AttnShape& a, float* __restrict__ out) {
+  __shared__ float weight[kMaxSplits];  // exp(m_s - m) / l per split (0 for an empty split)
   const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
-  float m = a.sinks ? a.sinks[h] : -INFINITY;
-  for (int s = 0; s < S; ++s) m = fmaxf(m, __ldcg(ml + 2 * (th * S + s)));
-  float l = a.sinks ? expf(a.sinks[h] - m) : 0.0f;  // the sink only adds to the denominator
-  for (int s = 0; s < S; ++s) {
-    const float ms = __ldcg(ml + 2 * (th * S + s));
-    if (ms != -INFINITY) l += __ldcg(ml + 2 * (th * S + s) + 1) * expf(ms - m);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float ms[2], ls[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int sp = lane + 32 * j;
+      ms[j] = sp < S ? __ldcg(ml + 2 * (th * S + sp)) : -INFINITY;
+      ls[j] = sp < S ? __ldcg(ml + 2 * (th * S + sp) + 1) : 0.0f;
+    }
+    const float sink = a.sinks ? a.sinks[h] : -INFINITY;
+    const float m = fmaxf(warp_max(fmaxf(ms[0], ms[1])), sink);
+    float l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) l += ms[j] == -INFINITY ? 0.0f : ls[j] * expf(ms[j] - m);
+    l = warp_sum(l) + (a.sinks ? expf(sink - m) : 0.0f);  // the sink only adds to the denominator
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (lane + 32 * j < S) weight[lane + 32 * j] = ms[j] == -INFINITY ? 0.0f : expf(ms[j] - m) / l;
   }
+  __syncthreads();
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float ms = __ldcg(ml + 2 * (th * S + s));
-      if (ms != -INFINITY) acc += __ldcg(po + (th * S + s) * hd + d) * expf(ms - m);
-    }
-    out[th * hd + d] = acc / l;
+#pragma unroll 8
+    for (int sp = 0; sp < S; ++sp) acc += __ldcg(po + (th * S + sp) * hd + d) * weight[sp];
+    out[th * hd + d] = acc;
   }
 }
 
@@ -91,22 +107,31 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
     o[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
+  auto slot_of = [&](int kp) {  // element offset of key kp's head kvh in the paged cache
+    return kp < end ? (static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock) * row + kvh * hd : 0;
+  };
+  int64_t next = slot_of(begin + warp);
   for (int kp = begin + warp; kp < end; kp += kWarps) {
-    const int64_t base = (static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock) * row + kvh * hd;
-    float s = 0.0f;
+    const int64_t base = next;
+    // The key's and the value's loads and the next key's page lookup go out together: one round trip per
+    // key, not three.
+    next = slot_of(kp + kWarps);
+    typename E::T kr[kDimsPerLane], vr[kDimsPerLane];
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < hd) s += qv[i] * E::dec(kc[base + d]);
+      if (d < hd) kr[i] = kc[base + d], vr[i] = vc[base + d];
     }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kDimsPerLane; ++i)
+      if (lane + 32 * i < hd) s += qv[i] * E::dec(kr[i]);
     s = warp_sum(s);
     const float m_new = fmaxf(m, s), corr = expf(m - m_new), p = expf(s - m_new);
     l = l * corr + p;
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) {
-      const int d = lane + 32 * i;
-      if (d < hd) o[i] = o[i] * corr + p * E::dec(vc[base + d]);
-    }
+    for (int i = 0; i < kDimsPerLane; ++i)
+      if (lane + 32 * i < hd) o[i] = o[i] * corr + p * E::dec(vr[i]);
     m = m_new;
   }
   // Merge the warps of the block.
@@ -197,7 +222,7 @@ void launch_attention(KvKind kind, const float* q, const void* kc, const void* v
                       const AttnShape& a, float* ws, float* out, cudaStream_t s) {
   NB_CHECK(a.head_dim > 0 && a.head_dim <= kMaxHeadDim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0,
            "attention: head_dim must be <= 256 and heads a multiple of kv heads");
-  NB_CHECK(a.n_splits >= 1 && a.n_splits <= 65535 && b.n_tokens <= 65535, "attention: grid");
+  NB_CHECK(a.n_splits >= 1 && a.n_splits <= kMaxSplits && b.n_tokens <= 65535, "attention: grid");
   NB_CHECK(a.skip_min_new <= 0 || a.seq_begin, "attention: skip_min_new needs seq_begin");
   switch (kind) {
     case KvKind::kF32:

@@ -216,12 +216,25 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 
 // Programmatic dependent launch (sm_90 and later): a kernel started with launch_pdl may be scheduled
 // while the previous kernel on the stream is still finishing, which hides most of the launch gap between
-// the ~17 small dependent kernels of a decode layer. Every such kernel calls pdl_wait() before it touches
-// global memory: it returns once the previous grid has completed and its writes are visible, so the
-// stream order is kept exactly. Inside CUDA graphs the dependency becomes a programmatic edge.
-// It then lets the next kernel launch at once (its blocks only start once all of ours have, so they
-// cannot crowd ours out, and they wait in their own pdl_wait()).
+// the small dependent kernels of a decode layer. Every such kernel calls pdl_wait() before it touches
+// global memory the previous kernels write: it returns once the previous grid has completed and its writes
+// are visible, so the stream order is kept exactly (and transitively: the previous grid completed only
+// after its own wait returned). Inside CUDA graphs the dependency becomes a programmatic edge.
+// The next kernel is allowed to launch *before* the wait: it launches once every block of ours has
+// started (so its blocks cannot crowd ours out) and sits in its own pdl_wait(), but its blocks are resident
+// as early as resources allow and issue what does not depend on us (weights, descriptors) meanwhile. With
+// the trigger after the wait, a kernel could only launch after its predecessor's predecessor had finished
+// (measured: the QKV GEMV started ~0.7 us after the residual RMSNorm's wait, NOTES.md seventh session).
 __device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The same with the trigger after the wait, for a kernel whose successor reads before its own wait what
+// our predecessor wrote (launch_moe_fc2's contract: the MoE FC1 kernels): that successor then launches
+// only once our predecessor has completed.
+__device__ __forceinline__ void pdl_wait_then_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);

@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) moe_fc1_kernel(ExpertTable tab, cons
                                                            int n_pairs, int top_k, const float* __restrict__ x,
                                                            Glu glu, float limit, float* __restrict__ act,
                                                            bool staged) {
-  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
+  pdl_wait_then_launch();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int d = tab.d_expert;

@@ -44,9 +44,10 @@ struct ExpertTable {
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                     Glu glu, float limit, float* act, cudaStream_t s);
 // y[t] = sum_i weights[t, i] * (fc2_e(act[t * top_k + i]) + bias_e): all choices in one launch, summed
-// in choice order inside one warp (deterministic). ids and weights must be complete before the previous
-// kernel on the stream begins (as right after launch_moe_fc1 with the same routes): the one-token kernel
-// reads them, and its first weights, before waiting for that kernel.
+// in choice order inside one warp (deterministic). ids and weights must be complete by the time the
+// previous kernel on the stream passes its wait (as right after launch_moe_fc1 with the same routes: the
+// FC1 kernels let their successor launch only then, pdl_wait_then_launch): the one-token kernel reads them,
+// and its first weights, before waiting for that kernel.
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                     const float* act, float* y, cudaStream_t s);
 

@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   __shared__ DevWeight sw;  // the pair's expert, copied once: its part table is read per tile
   uint32_t bptr[1];
   b_pointers<K, 1>(sx, padded_k(k, F::kBs), 0, bptr);
-  pdl_wait();  // x and ids come from the previous kernels on the stream (see launch_pdl)
+  pdl_wait_then_launch();  // x and ids come from the previous kernels on the stream (see launch_pdl)
   for (int p = blockIdx.y; p < n_pairs; p += gridDim.y) {
     const int e = ids[p];
     __syncthreads();  // the previous pair's readers of sw and of the staged x are done

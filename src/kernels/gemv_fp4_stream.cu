@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ DevWeight sw[kMaxRows];
   __shared__ int s_ids[kMaxRows];
   stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
-  pdl_wait();      // ids and x come from the previous kernels
+  pdl_wait_then_launch();  // ids and x come from the previous kernels; FC2 launches after this (its contract)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
@@ -564,9 +564,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, 1, real_pairs, top_k, warp % top_k};
   const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
   Item cur[NC];
-  // ids and weights were complete before the previous kernel (FC1) began (launch_moe_fc2's contract), and
-  // FC1 let this kernel launch only after its own pdl_wait, so they, the experts' descriptors and the
-  // first unit's weights are read before ours: only act comes from FC1.
+  // ids and weights were complete when the previous kernel (FC1) passed its wait (launch_moe_fc2's
+  // contract), and FC1 let this kernel launch only after that wait (pdl_wait_then_launch), so they, the
+  // experts' descriptors and the first unit's weights are read before ours: only act comes from FC1.
   copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   pdl_wait();  // act comes from the previous kernel

@@ -2,6 +2,8 @@
 // row; one thread per element elsewhere.
 #include "kernels/norm_rope.cuh"
 
+#include <algorithm>
+
 #include "backend/cuda/cuda_check.h"
 
 namespace nb::cuda {
@@ -20,47 +22,70 @@ __global__ void embedding_kernel(const __grid_constant__ DevWeight table, const 
 }
 
 // One block per row: rows are d_model (or head_dim for the q/k norms) long, and a single warp walking a
-// 2880-wide row is bound by load latency, not bandwidth. float4 loads when the row allows.
-__global__ void __launch_bounds__(kThreads) rms_norm_kernel(float* __restrict__ x, const float* __restrict__ residual,
-                                                            const float* __restrict__ w, int d, float eps,
-                                                            float* __restrict__ out) {
-  pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
-  __shared__ float partial[kRowsPerBlock];
+// 2880-wide row is bound by load latency, not bandwidth. When the row fits kNormHeld float4s per thread
+// (d <= 16384, d % 4 == 0; the block has up to 1024 threads) every load of x, the residual and the weight
+// is issued at once and the values stay in registers: one memory round trip after the wait (decode runs
+// this between two GEMVs, on the critical path), and the weight's loads go out before it (they do not
+// depend on the previous kernel). Other rows loop.
+constexpr int kNormMaxThreads = 1024, kNormHeld = 4;
+__global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(float* __restrict__ x, const float* __restrict__ residual,
+                                                                   const float* __restrict__ w, int d, float eps,
+                                                                   float* __restrict__ out) {
+  __shared__ float partial[kNormMaxThreads / 32];
   const int64_t r = blockIdx.x;
   float* xr = x + r * d;
+  const int d4 = d / 4, n = blockDim.x;
+  const bool held = d % 4 == 0 && d4 <= kNormHeld * n;
+  float4 g[kNormHeld], v[kNormHeld];
+  if (held) {
+#pragma unroll
+    for (int j = 0; j < kNormHeld; ++j)
+      if (threadIdx.x + j * n < d4) g[j] = reinterpret_cast<const float4*>(w)[threadIdx.x + j * n];
+  }
+  pdl_wait();  // x and the residual come from the previous kernels on the stream (see launch_pdl)
   float ss = 0.0f;
-  const bool vec = d % 4 == 0;
-  if (vec) {
-    for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
-      float4 v = reinterpret_cast<const float4*>(xr)[i];
+  if (held) {
+    float4 y[kNormHeld];
+#pragma unroll
+    for (int j = 0; j < kNormHeld; ++j) {
+      const int i = threadIdx.x + j * n;
+      if (i >= d4) continue;
+      v[j] = reinterpret_cast<const float4*>(xr)[i];
+      if (residual) y[j] = reinterpret_cast<const float4*>(residual + r * d)[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kNormHeld; ++j) {
+      const int i = threadIdx.x + j * n;
+      if (i >= d4) continue;
       if (residual) {
-        const float4 y = reinterpret_cast<const float4*>(residual + r * d)[i];
-        v.x += y.x, v.y += y.y, v.z += y.z, v.w += y.w;
-        reinterpret_cast<float4*>(xr)[i] = v;
+        v[j].x += y[j].x, v[j].y += y[j].y, v[j].z += y[j].z, v[j].w += y[j].w;
+        reinterpret_cast<float4*>(xr)[i] = v[j];
       }
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     }
   } else {
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-      float v = xr[i];
-      if (residual) xr[i] = v = v + residual[r * d + i];
-      ss += v * v;
+    for (int i = threadIdx.x; i < d; i += n) {
+      float e = xr[i];
+      if (residual) xr[i] = e = e + residual[r * d + i];
+      ss += e * e;
     }
   }
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
   __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < kRowsPerBlock; ++i) total += partial[i];
+  const int lane = threadIdx.x & 31;
+  const float total = warp_sum(lane < n / 32 ? partial[lane] : 0.0f);
   const float inv = rsqrtf(total / static_cast<float>(d) + eps);
-  if (vec) {
-    for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
-      const float4 v = reinterpret_cast<const float4*>(xr)[i], g = reinterpret_cast<const float4*>(w)[i];
-      reinterpret_cast<float4*>(out + r * d)[i] = make_float4(g.x * (v.x * inv), g.y * (v.y * inv), g.z * (v.z * inv),
-                                                              g.w * (v.w * inv));
+  if (held) {
+#pragma unroll
+    for (int j = 0; j < kNormHeld; ++j) {
+      const int i = threadIdx.x + j * n;
+      if (i < d4)
+        reinterpret_cast<float4*>(out + r * d)[i] =
+            make_float4(g[j].x * (v[j].x * inv), g[j].y * (v[j].y * inv), g[j].z * (v[j].z * inv), g[j].w * (v[j].w * inv));
     }
   } else {
-    for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = w[i] * (xr[i] * inv);
+    for (int i = threadIdx.x; i < d; i += n) out[r * d + i] = w[i] * (xr[i] * inv);
   }
 }
 
@@ -141,10 +166,13 @@ void launch_embedding(const DevWeight& table, const int32_t* tokens, int64_t n_t
 void launch_rms_norm(float* x, const float* residual, const float* w, int64_t rows, int d, float eps, float* out,
                      cudaStream_t s) {
   NB_CHECK(rows >= 1 && d >= 1, "rms_norm: shapes");
-  if (d >= 512 && rows <= 65535)
-    launch_pdl(rms_norm_kernel, static_cast<unsigned>(rows), kThreads, 0, s, x, residual, w, d, eps, out);
-  else
+  if (d >= 512 && rows <= 65535) {
+    // Enough threads for one float4 each up to 1024, so that most rows are one load per thread.
+    const int threads = static_cast<int>(std::clamp<int64_t>((d / 4 + 31) / 32 * 32, kThreads, kNormMaxThreads));
+    launch_pdl(rms_norm_kernel, static_cast<unsigned>(rows), threads, 0, s, x, residual, w, d, eps, out);
+  } else {
     launch_pdl(rms_norm_rows_kernel, ceil_div(rows, kRowsPerBlock), kThreads, 0, s, x, residual, w, rows, d, eps, out);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
