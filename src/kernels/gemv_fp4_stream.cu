@@ -662,12 +662,20 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, cud
 template <WKind K>
 void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
          float* act, cudaStream_t s) {
+  // Every warp the same number of row-pair units: the grid sized so that the last round is (nearly) full,
+  // as fc2 does (gpt-oss-120b: 11520 pairs, 120 blocks x 16 warps x 6 rounds instead of 132 blocks and a
+  // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps one block per SM (measurement knob).
+  static const bool even = [] {
+    const char* e = std::getenv("NIBBLE_FC1_EVEN");
+    return !(e && e[0] == '0');
+  }();
   const size_t smem = stage_bytes(1, t.d_model);
+  const int n_pairs = top_k * t.d_expert;
   with_chunks(t.d_model, [&]<int NC>() {
     auto kernel = stream_fc1_kernel<K, NC>;
-    const int warps = device().warps;
-    launch_pdl(kernel, grid_for(kernel, warps, smem, top_k * t.d_expert), warps * 32, smem, s, t, ids, top_k, x, glu,
-               limit, act);
+    const int warps = device().warps, max_grid = grid_for(kernel, warps, smem, n_pairs);
+    const int grid = even ? ceil_div(n_pairs, ceil_div(n_pairs, max_grid * warps) * warps) : max_grid;
+    launch_pdl(kernel, grid, warps * 32, smem, s, t, ids, top_k, x, glu, limit, act);
   });
   CUDA_CHECK(cudaGetLastError());
 }
