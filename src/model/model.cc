@@ -49,12 +49,14 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // Environment switches, checked on every backend so that a misspelt value is an error, not a silently
   // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits,
   // slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read by the kernels)
-  // NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion) and NIBBLE_GEMM_WS (::gemm_ws; unset: the
-  // backend's choice). (Values unused in a CPU-only build.)
+  // NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws; unset: the
+  // backend's choice) and NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher). (Values unused
+  // in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_ws, env_choice("NIBBLE_GEMM_WS", "0", "1"));
+  NB_RETURN_IF_ERROR(env_choice("NIBBLE_FC1_EVEN", "0", "1").status());
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).
