@@ -470,6 +470,26 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
   }
 }
 
+// The block-per-row RMSNorm (rows of 512 and more) against the CPU, with and without the residual add (x
+// written back): rows held in registers with one float4 per thread (gpt-oss's 2880) and two (6000), rows
+// too long to hold (16388: the loop), and rows that are not whole float4s (1030: the scalar path).
+TEST_F(CudaOps, RmsNormLongRows) {
+  for (const int64_t d : {2880, 6000, 16388, 1030}) {
+    for (const int64_t rows : {1, 3}) {
+      const std::string what = "d " + std::to_string(d) + ", rows " + std::to_string(rows);
+      const std::vector<float> x = randn(rows * d, 3.0f), y = randn(rows * d), w = randn(d);
+      expect_close(cpu_.to_host(cpu_.rms_norm(cpu_t(x, {rows, d}), cpu_t(w, {d}), 1e-5f)),
+                   gpu_->to_host(gpu_->rms_norm(gpu_t(x, {rows, d}), gpu_t(w, {d}), 1e-5f)), {2e-5f},
+                   "rms_norm " + what);
+      Tensor cx = cpu_t(x, {rows, d}), gx = gpu_t(x, {rows, d});
+      const Tensor ch = cpu_.add_rms_norm(cx, cpu_t(y, {rows, d}), cpu_t(w, {d}), 1e-5f);
+      const Tensor gh = gpu_->add_rms_norm(gx, gpu_t(y, {rows, d}), gpu_t(w, {d}), 1e-5f);
+      expect_close(cpu_.to_host(ch), gpu_->to_host(gh), {2e-5f}, "add_rms_norm " + what);
+      expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {0.0f}, "add_rms_norm x += y, " + what);
+    }
+  }
+}
+
 // add_rms_norm_route against the CPU's add_rms_norm, linear and moe_route in turn: the one-kernel decode
 // path (BF16 router, up to 16 tokens; gpt-oss-120b's and Qwen3-30B-A3B's shapes, no residual, run twice so
 // the arrival counters must have been reset) and the fallbacks (17 tokens; an fp32 router).

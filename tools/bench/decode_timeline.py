@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Where a decode step's time goes, from an nsys GPU trace of nibble_e2e_bench (graph nodes traced).
+"""Where a decode step's time goes, from a kernel trace of nibble_e2e_bench (graph nodes included).
 
 Usage: decode_timeline.py TRACE.csv [--last-kernel sample_kernel] [--skip 16]
-  TRACE.csv: `nsys stats --report cuda_gpu_trace --format csv` of a run profiled with
-  `nsys profile --cuda-graph-trace=node`.
+  TRACE.csv: what tools/bench/kernel_trace.cc writes (scripts/gpu-check.sh bench `profile` runs both), or
+  `nsys stats --report cuda_gpu_trace --format csv` of a run under `nsys profile --cuda-graph-trace=node`.
 
 A decode step is the run of kernels that ends with the sampling kernel. For each kernel name over the
 steady-state steps (the first --skip steps and any step whose kernel count differs from the most common
