@@ -188,10 +188,10 @@ struct Fmt<WKind::kMXFP4> {
   // trained weight (|w| <= 12: e <= 128), smaller for rows with larger blocks, whose blocks more than 2^24
   // below the row's largest then round (far under the fp32 sum's own error).
   template <int NC>
-  __device__ static void windows(const uint32_t (&s)[NC], int& c0, int& c1) {
+  __device__ static void windows(const uint32_t (&s0)[NC], const uint32_t (&s1)[NC], int& c0, int& c1) {
     uint32_t m0 = 0, m1 = 0;
 #pragma unroll
-    for (int i = 0; i < NC; ++i) m0 = max(m0, s[i] & 0xffu), m1 = max(m1, s[i] >> 16 & 0xffu);
+    for (int i = 0; i < NC; ++i) m0 = max(m0, s0[i]), m1 = max(m1, s1[i]);
     c0 = min(14, 142 - static_cast<int>(__reduce_max_sync(0xffffffffu, m0)));
     c1 = min(14, 142 - static_cast<int>(__reduce_max_sync(0xffffffffu, m1)));
   }
@@ -210,15 +210,18 @@ struct Fmt<WKind::kNVFP4> {
     }
   }
   template <int NC>
-  __device__ static void windows(const uint32_t (&)[NC], int& c0, int& c1) {
+  __device__ static void windows(const uint32_t (&)[NC], const uint32_t (&)[NC], int& c0, int& c1) {
     c0 = c1 = 14;
   }
 };
 
 // One item: a lane's 16 code bytes of rows r0 and r1 in one chunk, and their scale codes.
+// The scale codes stay as loaded, one register per row: packing them into one register right after the
+// loads made the warp wait there for the next unit's bytes before computing the current one (ncu: ~20 % of
+// the stall samples on that one instruction, eighth session).
 struct Item {
   uint4 a, b;
-  uint32_t s;  // row r0's scale codes in bits 0..15, row r1's in 16..31 (MXFP4: one byte each, NVFP4: two)
+  uint32_t s0, s1;  // rows r0 and r1's scale codes (MXFP4: one byte, NVFP4: two)
 };
 
 // Where a lane reads rows r0 and r1 (chunk 0).
@@ -248,16 +251,17 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
   for (int c = 0; c < NC; ++c) {
     if (c == NC - 1 && c * kChunk + lane * 32 >= k) {
       it[c].a = it[c].b = make_uint4(0, 0, 0, 0);
-      it[c].s = 127u | 127u << 16;
+      it[c].s0 = it[c].s1 = 127u;
       continue;
     }
     it[c].a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
     it[c].b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
     if constexpr (K == WKind::kMXFP4) {
-      it[c].s = __ldg(r.scales[0] + c * 32) | static_cast<uint32_t>(__ldg(r.scales[1] + c * 32)) << 16;
+      it[c].s0 = __ldg(r.scales[0] + c * 32);
+      it[c].s1 = __ldg(r.scales[1] + c * 32);
     } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
-      it[c].s = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64)) |
-                static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64))) << 16;
+      it[c].s0 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64));
+      it[c].s1 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64));
     }
   }
 }
@@ -274,7 +278,7 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
                                              float (&acc)[2][4]) {
   using F = Fmt<K>;
   const int lane = threadIdx.x & 31;
-  const uint32_t sa = it.s & 0xffffu, sb = it.s >> 16;
+  const uint32_t sa = it.s0, sb = it.s1;
   uint32_t fa[2], fb[2];
   F::folds(sa, c0, fa);
   F::folds(sb, c1, fb);
@@ -333,11 +337,11 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
     const bool more = un.p < op.n_pairs;
     if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);  // (op.rows: clamped rows)
-    uint32_t sc[NC];
+    uint32_t s0[NC], s1[NC];
 #pragma unroll
-    for (int c = 0; c < NC; ++c) sc[c] = now[c].s;
+    for (int c = 0; c < NC; ++c) s0[c] = now[c].s0, s1[c] = now[c].s1;
     int c0, c1;
-    Fmt<K>::windows(sc, c0, c1);
+    Fmt<K>::windows(s0, s1, c0, c1);
     float acc[2][4] = {};
     const uint4* xs = planes + static_cast<size_t>(op.xrow(u)) * words;
 #pragma unroll
