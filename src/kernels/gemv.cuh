@@ -37,6 +37,9 @@ struct ExpertTable {
   const float* fc1_bias = nullptr;  // [n_experts, 2 d_expert] or null
   const float* fc2_bias = nullptr;  // [n_experts, d_model] or null
   bool vec_ok = false;  // every expert's rows are 16-byte aligned: the tensor-core paths (decode, grouped GEMM)
+  // FC1's gate rows and its up rows each lie in one checkpoint part (one fused tensor, or gate and up as
+  // two parts of d_expert rows), FC2 is one part: the one-token kernels address rows with one stride.
+  bool simple_rows = false;
 };
 
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch

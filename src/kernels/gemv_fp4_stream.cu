@@ -317,24 +317,25 @@ __device__ __forceinline__ void pair_sums(const float (&acc)[2][4], float& v0, f
   v1 = upper ? keep : other;
 }
 
-// A unit of work: row pair p and sub-unit `sub` (FC2's choice; 0 elsewhere).
+// A unit of work: row pair p; the MoE FC1 pair's choice i and output j too (p = i d_expert + j), which
+// Fc1Op::next advances without a division.
 struct Unit {
-  int p, sub;
+  int p, i, j;
 };
 
-// The walk shared by the three kernels. `op` says how many row pairs there are (op.n_pairs), how many
-// sub-units each pair has (op.subs), where a unit reads (op.rows) and what happens with its two dots
-// (op.finish, on every lane, with what op.epilogue loaded for the unit: biases). Warps stride over the
-// pairs; `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for
-// the previous kernel). The next unit's loads -- weights and epilogue values, so that no global load
-// latency is left for the finish -- go out before the current unit's math: NC items per warp in flight.
+// The walk shared by the three kernels. `op` says how many row pairs there are (op.n_pairs), which unit
+// follows a warp's unit (op.next: warps stride over the pairs), where a unit reads (op.rows) and what
+// happens with its two dots (op.finish, on every lane, with what op.epilogue loaded for the unit: biases).
+// `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for the
+// previous kernel). The next unit's loads -- weights and epilogue values, so that no global load latency
+// is left for the finish -- go out before the current unit's math: NC items per warp in flight.
 template <WKind K, int NC, class Op>
-__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC], int stride) {
+__device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
   const int words = row_words(k);
   Item nxt[NC];
   float2 epi = op.epilogue(u), epi_next;
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
-    const Unit un = u.sub + 1 < op.subs ? Unit{u.p, u.sub + 1} : Unit{u.p + stride, 0};
+    const Unit un = op.next(u);
     const bool more = un.p < op.n_pairs;
     if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);  // (op.rows: clamped rows)
     uint32_t s0[NC], s1[NC];
@@ -343,7 +344,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     int c0, c1;
     Fmt<K>::windows(s0, s1, c0, c1);
     float acc[2][4] = {};
-    const uint4* xs = planes + static_cast<size_t>(op.xrow(u)) * words;
+    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
 #pragma unroll
     for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
@@ -368,8 +369,9 @@ struct LinearOp {
   const float* bias;
   float* y;
   float unscale;
-  int n_pairs, subs = 1;
-  __device__ int xrow(Unit) const { return 0; }
+  int n_pairs, stride;
+  __device__ int xrow() const { return 0; }
+  __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
     int ra = 2 * u.p, rb = min(2 * u.p + 1, w.n - 1);
     const DevPart& pa = find_part(w, ra);
@@ -396,9 +398,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ StageShared ss;
   stage_zero(ss);
   __syncthreads();
-  LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2};
   constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
-  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
+  LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw};
+  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
+  const Unit first{p0, 0, p0};
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
@@ -412,22 +415,58 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(x, w.k, 1, w.k, h, ss, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur, static_cast<int>(gridDim.x) * nw);
+  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
 }
 
-// The routed experts of the one token, copied to shared memory once (their part tables are read per unit),
-// with their ids and, for FC2, routing weights.
-__device__ __forceinline__ void copy_experts(const DevWeight* table, const int32_t* ids, const float* weights,
-                                             int top_k, DevWeight* dst, int* s_ids, float* s_weights) {
-  static_assert(sizeof(DevWeight) % 4 == 0);
-  constexpr int kWords = sizeof(DevWeight) / 4;
-  for (int i = threadIdx.x; i < top_k * kWords; i += blockDim.x) {
-    const int c = i / kWords, q = i % kWords;
-    reinterpret_cast<uint32_t*>(dst + c)[q] = __ldg(reinterpret_cast<const uint32_t*>(table + ids[c]) + q);
-  }
+// Where the rows of one routed expert's projection lie: row r (FC1: output r's gate row, or its up row)
+// at codes + r * code_step and scales + r * scale_step, so that a unit's addresses cost one multiply-add
+// each. The host guarantees that the gate rows and the up rows each lie in one checkpoint part
+// (ExpertTable::simple_rows).
+struct RowMap {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int code_step, scale_step;  // bytes
+  float post;                 // per output factor (post<K>)
+};
+// Rows first, first + step, ... of w.
+template <WKind K>
+__device__ RowMap row_map(const DevWeight& w, int first, int step) {
+  int r = first;
+  const DevPart& p = find_part(w, r);
+  const int code_bytes = w.k / 2, scale_bytes = w.k / Fmt<K>::kBs;
+  return RowMap{p.data + static_cast<int64_t>(r) * code_bytes, p.scales + static_cast<int64_t>(r) * scale_bytes,
+                step * code_bytes, step * scale_bytes, post<K>(p)};
+}
+__device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& b, int rb, int lane_scale_bytes) {
+  const int lane = threadIdx.x & 31;
+  Rows r;
+  r.codes[0] = a.codes + static_cast<int64_t>(ra) * a.code_step + lane * 16;
+  r.codes[1] = b.codes + static_cast<int64_t>(rb) * b.code_step + lane * 16;
+  r.scales[0] = a.scales + static_cast<int64_t>(ra) * a.scale_step + lane * lane_scale_bytes;
+  r.scales[1] = b.scales + static_cast<int64_t>(rb) * b.scale_step + lane * lane_scale_bytes;
+  return r;
+}
+
+// The routed experts of the one token: thread i < top_k maps choice i's rows (FC1: gate and up, FC2: one
+// map) into shared memory, with its id and, for FC2, routing weight. Ends with a block barrier.
+template <WKind K>
+__device__ void map_experts(const DevWeight* table, const int32_t* ids, const float* weights, int top_k,
+                            bool fc1, bool interleaved, int d_expert, RowMap (*maps)[kMaxRows], int* s_ids,
+                            float* s_weights) {
   if (threadIdx.x < top_k) {
-    s_ids[threadIdx.x] = ids[threadIdx.x];
-    if (weights) s_weights[threadIdx.x] = weights[threadIdx.x];
+    const int i = threadIdx.x, id = ids[i];
+    const DevWeight& w = table[id];
+    if (!fc1) {
+      maps[0][i] = row_map<K>(w, 0, 1);
+    } else if (interleaved) {  // gate row 2j, up row 2j + 1
+      maps[0][i] = row_map<K>(w, 0, 2);
+      maps[1][i] = row_map<K>(w, 1, 2);
+    } else {  // gate row j, up row d + j
+      maps[0][i] = row_map<K>(w, 0, 1);
+      maps[1][i] = row_map<K>(w, d_expert, 1);
+    }
+    s_ids[i] = id;
+    if (weights) s_weights[i] = weights[i];
   }
   __syncthreads();
 }
@@ -435,42 +474,34 @@ __device__ __forceinline__ void copy_experts(const DevWeight* table, const int32
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 template <WKind K>
 struct Fc1Op {
-  const DevWeight* sw;  // [top_k] in shared memory
+  const RowMap (*maps)[kMaxRows];  // [gate, up][top_k] in shared memory
   const ExpertTable& tab;
   const int* ids;  // [top_k] in shared memory
   Glu kind;
   float limit, unscale;
   float* act;
-  int n_pairs, subs = 1;
-  __device__ int xrow(Unit) const { return 0; }
-  __device__ void gate_up(int p, int& i, int& j, int& ga, int& gb) const {
-    const int d = tab.d_expert;
-    i = p / d, j = p % d;
-    const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
-    ga = inter ? 2 * j : j, gb = inter ? 2 * j + 1 : d + j;
+  int n_pairs, stride, stride_i, stride_j;  // stride = stride_i d_expert + stride_j
+  __device__ int xrow() const { return 0; }
+  __device__ Unit next(Unit u) const {
+    Unit n{u.p + stride, u.i + stride_i, u.j + stride_j};
+    if (n.j >= tab.d_expert) n.j -= tab.d_expert, ++n.i;
+    return n;
   }
   __device__ Rows rows(Unit u) const {
-    int i, j, ra, rb;
-    gate_up(u.p, i, j, ra, rb);
-    const DevPart& pa = find_part(sw[i], ra);
-    const DevPart& pb = find_part(sw[i], rb);
-    return lane_rows<K>(pa, ra, pb, rb, tab.d_model);
+    return map_rows(maps[0][u.i], u.j, maps[1][u.i], u.j, 32 / Fmt<K>::kBs);
   }
   __device__ float2 epilogue(Unit u) const {  // the gate and up biases
     if (!tab.fc1_bias) return make_float2(0.0f, 0.0f);
-    int i, j, ga, gb;
-    gate_up(u.p, i, j, ga, gb);
-    const float* b = tab.fc1_bias + static_cast<int64_t>(ids[i]) * 2 * tab.d_expert;
+    const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
+    const int ga = inter ? 2 * u.j : u.j, gb = inter ? 2 * u.j + 1 : tab.d_expert + u.j;
+    const float* b = tab.fc1_bias + static_cast<int64_t>(ids[u.i]) * 2 * tab.d_expert;
     return make_float2(__ldg(b + ga), __ldg(b + gb));
   }
   __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
     if ((threadIdx.x & 31) != 0) return;
-    int i, j, ga, gb;
-    gate_up(u.p, i, j, ga, gb);
-    int ra = ga, rb = gb;
-    const float gate = v0 * unscale * post<K>(find_part(sw[i], ra)) + b.x;
-    const float up = v1 * unscale * post<K>(find_part(sw[i], rb)) + b.y;
-    act[static_cast<int64_t>(i) * tab.d_expert + j] =
+    const float gate = v0 * unscale * maps[0][u.i].post + b.x;
+    const float up = v1 * unscale * maps[1][u.i].post + b.y;
+    act[static_cast<int64_t>(u.i) * tab.d_expert + u.j] =
         glu_value(gate, up, kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves, limit);
   }
 };
@@ -481,16 +512,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
-  __shared__ DevWeight sw[kMaxRows];
+  __shared__ RowMap maps[2][kMaxRows];
   __shared__ int s_ids[kMaxRows];
-  stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
+  stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
   pdl_wait_then_launch();  // ids and x come from the previous kernels; FC2 launches after this (its contract)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
-  copy_experts(tab.fc1, ids, nullptr, top_k, sw, s_ids, nullptr);
-  Fc1Op<K> op{sw, tab, s_ids, kind, limit, 0.0f, act, top_k * tab.d_expert};
+  const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
+  map_experts<K>(tab.fc1, ids, nullptr, top_k, true, inter, tab.d_expert, maps, s_ids, nullptr);
   constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
-  const Unit first{static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5), 0};
+  const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
+  Fc1Op<K> op{maps, tab, s_ids, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
+  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
+  const Unit first{p0, p0 / d, p0 % d};
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
   stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
@@ -500,7 +534,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur, static_cast<int>(gridDim.x) * nw);
+  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
@@ -511,21 +545,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // is padded to whole rounds, and padding pairs load clamped rows and write nothing.
 template <WKind K>
 struct Fc2Op {
-  const DevWeight* sw;  // [top_k] in shared memory, as are ids, weights and unscale
+  const RowMap* maps;  // [top_k] in shared memory, as are ids, weights and unscale
   const ExpertTable& tab;
   const int* ids;
   const float* weights;
   const float* unscale;
   float (*part)[kWarps][2];  // [2 rounds in turn][warp][row] in shared memory
   float* y;
-  int n_pairs, subs, real_pairs, top_k, choice, round = 0;  // subs 1: a warp keeps its choice
-  __device__ int xrow(Unit) const { return choice; }
+  int n_pairs, stride, real_pairs, top_k, choice, round = 0;  // a warp keeps its choice
+  __device__ int xrow() const { return choice; }
+  __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
     const int p = min(u.p, real_pairs - 1);
-    int ra = 2 * p, rb = min(2 * p + 1, tab.d_model - 1);
-    const DevPart& pa = find_part(sw[choice], ra);
-    const DevPart& pb = find_part(sw[choice], rb);
-    return lane_rows<K>(pa, ra, pb, rb, tab.d_expert);
+    const RowMap& m = maps[choice];
+    return map_rows(m, 2 * p, m, min(2 * p + 1, tab.d_model - 1), 32 / Fmt<K>::kBs);
   }
   __device__ float2 epilogue(Unit u) const {  // the choice's biases of rows 2p, 2p + 1
     if (!tab.fc2_bias) return make_float2(0.0f, 0.0f);
@@ -537,8 +570,7 @@ struct Fc2Op {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, q = lane >> 4, r = 2 * u.p + q;
     float(&mine)[kWarps][2] = part[round & 1];
     if ((lane & 15) == 0 && r < n && u.p < real_pairs) {
-      int rr = r;
-      const float v = (q ? v1 : v0) * unscale[choice] * post<K>(find_part(sw[choice], rr));
+      const float v = (q ? v1 : v0) * unscale[choice] * maps[choice].post;
       mine[warp][q] = weights[choice] * (v + (q ? b.y : b.x));  // weight after the bias (formats.md §2.4)
     }
     __syncthreads();  // (the other buffer is written next round: one barrier per round suffices)
@@ -558,20 +590,21 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                       float* __restrict__ y, int rounds) {
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
-  __shared__ DevWeight sw[kMaxRows];
+  __shared__ RowMap maps[1][kMaxRows];
   __shared__ int s_ids[kMaxRows];
   __shared__ float s_weights[kMaxRows];
   __shared__ float part[2][kWarps][2];
-  stage_zero(ss);  // (copy_experts' barrier orders it before stage_max)
+  stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
   const int warp = threadIdx.x >> 5, groups = (blockDim.x >> 5) / top_k, stride = gridDim.x * groups;
   const int real_pairs = (tab.d_model + 1) / 2;
-  Fc2Op<K> op{sw, tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, 1, real_pairs, top_k, warp % top_k};
-  const Unit first{static_cast<int>(blockIdx.x) * groups + warp / top_k, 0};
+  Fc2Op<K> op{maps[0], tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, stride, real_pairs, top_k, warp % top_k};
+  const int p0 = static_cast<int>(blockIdx.x) * groups + warp / top_k;
+  const Unit first{p0, 0, p0};
   Item cur[NC];
   // ids and weights were complete when the previous kernel (FC1) passed its wait (launch_moe_fc2's
   // contract), and FC1 let this kernel launch only after that wait (pdl_wait_then_launch), so they, the
   // experts' descriptors and the first unit's weights are read before ours: only act comes from FC1.
-  copy_experts(tab.fc2, ids, weights, top_k, sw, s_ids, s_weights);
+  map_experts<K>(tab.fc2, ids, weights, top_k, false, false, tab.d_expert, maps, s_ids, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   pdl_wait();  // act comes from the previous kernel
   Held h;
@@ -582,7 +615,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
   __syncthreads();
-  walk<K, NC>(op, tab.d_expert, planes, first, cur, stride);
+  walk<K, NC>(op, tab.d_expert, planes, first, cur);
 }
 
 // ---- Launch ----
@@ -701,7 +734,7 @@ void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return enabled() && fp4(t.kind) && t.vec_ok && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
+  return enabled() && fp4(t.kind) && t.vec_ok && t.simple_rows && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
          stage_bytes(top_k, k) <= kMaxSmem;
 }
 

@@ -673,10 +673,15 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   cuda::ExpertTable& t = d.table;
   std::vector<DevWeight> fc1, fc2;
   t.vec_ok = true;
+  bool simple = true;
   for (int e = 0; e < ex.n_experts; ++e) {
     fc1.push_back(dev_weight(ex.fc1[e]));
     fc2.push_back(dev_weight(ex.fc2[e]));
     t.vec_ok = t.vec_ok && fc1.back().vec_ok && fc2.back().vec_ok;
+    const DevWeight &w1 = fc1.back(), &w2 = fc2.back();
+    const bool two_halves = ex.layout == GluLayout::kHalves && w1.n_parts == 2 && w1.part[0].rows == ex.d_expert &&
+                            w1.part[1].rows == ex.d_expert;
+    simple = simple && (w1.n_parts == 1 || two_halves) && w2.n_parts == 1;
     NB_CHECK(fc1.back().kind == fc1[0].kind && fc2.back().kind == fc1[0].kind,
              "moe_experts: every expert projection must share one format");
   }
@@ -689,6 +694,7 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   t.fc1 = reinterpret_cast<const DevWeight*>(d.fc1.data<uint8_t>());
   t.fc2 = reinterpret_cast<const DevWeight*>(d.fc2.data<uint8_t>());
   t.kind = fc1[0].kind;
+  t.simple_rows = simple;
   t.n_experts = ex.n_experts;
   t.d_expert = ex.d_expert;
   t.d_model = static_cast<int>(ex.fc1[0].k);
