@@ -225,6 +225,11 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 // as early as resources allow and issue what does not depend on us (weights, descriptors) meanwhile. With
 // the trigger after the wait, a kernel could only launch after its predecessor's predecessor had finished
 // (measured: the QKV GEMV started ~0.7 us after the residual RMSNorm's wait, NOTES.md seventh session).
+// Loads before the wait of data that changes between launches (routes, batch metadata, the KV cache) go
+// through L2 (__ldcg, ld.global.cg): an L1 hit before the wait can return a line from before earlier
+// kernels' writes (measured: decode attention loading its first cached keys before the wait broke the
+// greedy goldens until those loads bypassed L1; NOTES.md eighth session). Weights, written once at load
+// time, may use any path.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);

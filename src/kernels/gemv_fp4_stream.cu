@@ -454,7 +454,7 @@ __device__ void map_experts(const DevWeight* table, const int32_t* ids, const fl
                             bool fc1, bool interleaved, int d_expert, RowMap (*maps)[kMaxRows], int* s_ids,
                             float* s_weights) {
   if (threadIdx.x < top_k) {
-    const int i = threadIdx.x, id = ids[i];
+    const int i = threadIdx.x, id = __ldcg(ids + i);  // (through L2: FC2 reads it before its wait, see pdl_wait)
     const DevWeight& w = table[id];
     if (!fc1) {
       maps[0][i] = row_map<K>(w, 0, 1);
@@ -466,7 +466,7 @@ __device__ void map_experts(const DevWeight* table, const int32_t* ids, const fl
       maps[1][i] = row_map<K>(w, d_expert, 1);
     }
     s_ids[i] = id;
-    if (weights) s_weights[i] = weights[i];
+    if (weights) s_weights[i] = __ldcg(weights + i);
   }
   __syncthreads();
 }
