@@ -9,6 +9,8 @@
 // Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
 //                         [--dense-formats keep,fp8,mxfp4,nvfp4]
 //        CONFIG_DIR...
+//   --gemm-acts: the FP4 tensor-core paths' activations (prefill GEMMs and one-token decode GEMVs): one fp16
+//   (the default) or hi + lo
 //   (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
 #include <algorithm>
 #include <chrono>
@@ -66,7 +68,7 @@ struct Args {
   int chunk = 0;  // 0: the whole prompt in one step
   double max_seconds = 20;
   bool tg = true;
-  int gemm_acts = -1;  // prefill GEMM activations: -1 the default, 0 hi + lo, 1 one fp16
+  int gemm_acts = -1;  // FP4 tensor-core activations: -1 the default, 0 hi + lo, 1 one fp16
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
@@ -205,6 +207,8 @@ int run(int argc, char** argv) {
 }
 
 void run_decode(const Args& args, double bw) {
+  std::printf("Decode, batch 1, one-token GEMV activations %s\n\n",
+              args.gemm_acts < 0 ? "default (one fp16)" : args.gemm_acts ? "one fp16" : "hi + lo");
   std::printf("| model | dense format | ready s | GB/token (ctx 64) | tg128 tok/s | roofline tok/s | %% of roofline |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   constexpr int kSteps = 128;
@@ -214,6 +218,7 @@ void run_decode(const Args& args, double bw) {
       o.device = Device::kCuda;
       o.dummy_weights = true;
       o.dense_format = dense;
+      if (args.gemm_acts >= 0) o.gemm_fp16_activations = args.gemm_acts == 1;
       const auto t0 = std::chrono::steady_clock::now();
       auto m = Model::load(dir, o);
       if (!m.ok()) {

@@ -5,6 +5,7 @@
 // enough weight copies / expert sets that the working set exceeds the L2 cache three times.
 // Usage: nibble_kernel_bench [--quick]
 //   NIBBLE_BENCH_FILTER=text runs only the rows whose "model projection format" contains it (for profilers).
+//   NIBBLE_GEMM_ACTIVATIONS=hi-lo measures the FP4 rows with hi + lo activations (default: one fp16).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -80,7 +81,10 @@ bool wanted(const char* model, const char* proj, WeightFormat f) {
 }
 
 int run(bool quick) {
-  auto be = CudaBackend::create({});
+  CudaBackendOptions o;  // NIBBLE_GEMM_ACTIVATIONS=hi-lo: the one-token FP4 kernels with hi + lo activations
+  const char* acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
+  o.gemm_fp16_activations = !(acts && std::string(acts) == "hi-lo");
+  auto be = CudaBackend::create(o);
   if (!be.ok()) {
     std::fprintf(stderr, "nibble_kernel_bench: %s\n", be.status().message().c_str());
     return 1;

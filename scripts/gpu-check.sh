@@ -67,6 +67,8 @@ fi
 #   tg      end-to-end decode tg128 per dense format      pp      end-to-end prefill pp512/2048/8192
 #   tgbase  tg128 at dense format mxfp4 without the row-streaming kernels (baseline, same run)
 #   tgnofuse  tg128 at dense format mxfp4 without the decode fusions (NIBBLE_DECODE_FUSION=0; baseline)
+#   khilo   the FP4 rows of the kernel bench with hi + lo activations (NIBBLE_GEMM_ACTIVATIONS=hi-lo; baseline)
+#   tghilo  tg128 at dense format mxfp4 with hi + lo activations (--gemm-acts hi-lo; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
@@ -84,12 +86,15 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
   tree_hash >"$OUT/tree.txt"
   echo "source fingerprint (scripts/gpu-check.sh --tree-hash): $(cat "$OUT/tree.txt")"
-  for b in ${NIBBLE_BENCHES:-kernel kbase tg tgbase pp gemm attn}; do
+  for b in ${NIBBLE_BENCHES:-kernel kbase khilo tg tgbase tghilo pp gemm attn}; do
     case $b in
       kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
       kbase) bench kernel_base 200 env NIBBLE_FP4_STREAM=0 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
       tg) bench e2e_bench 240 "$B"/src/nibble_e2e_bench --pp '' configs/gpt-oss-20b configs/gpt-oss-120b ;;
       tgbase) bench e2e_base 120 env NIBBLE_FP4_STREAM=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
+        configs/gpt-oss-20b configs/gpt-oss-120b ;;
+      khilo) bench kernel_hilo 200 env NIBBLE_GEMM_ACTIVATIONS=hi-lo NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
+      tghilo) bench e2e_hilo 120 "$B"/src/nibble_e2e_bench --pp '' --gemm-acts hi-lo --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;
       tgnofuse) bench e2e_nofuse 120 env NIBBLE_DECODE_FUSION=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;

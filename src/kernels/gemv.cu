@@ -469,13 +469,14 @@ void moe_fc2_for(const ExpertTable& t, const int32_t* ids, const float* weights,
 
 }  // namespace
 
-void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s) {
+void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, bool fp16_acts,
+                   cudaStream_t s) {
   NB_CHECK(m >= 1 && w.n > 0 && w.k > 0 && w.n_parts >= 1 && w.n_parts <= kMaxParts, "linear: bad shapes");
   // FP4 at decode batch sizes: the tensor-core kernels (no per-element fp16 -> fp32 conversion, which caps
   // the kernels below at ~40 % of the read bandwidth): one token streams whole rows (gemv_fp4_stream.cu),
   // 2..8 tokens take gemv_fp4.cu. They decline unaligned rows and m > 8, which keep the CUDA-core path
   // (per-element fallback, token chunks of 4).
-  if (launch_linear_fp4_stream(w, x, m, bias, y, s)) return;  // one token: contiguous row streaming
+  if (launch_linear_fp4_stream(w, x, m, bias, y, fp16_acts, s)) return;  // one token: contiguous row streaming
   if (launch_linear_fp4_mma(w, x, m, bias, y, s)) return;
   switch (w.kind) {
     case WKind::kBF16:
@@ -494,9 +495,9 @@ void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* b
 }
 
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x, Glu glu,
-                    float limit, float* act, cudaStream_t s) {
+                    float limit, float* act, bool fp16_acts, cudaStream_t s) {
   NB_CHECK(n_pairs >= 1 && t.d_expert > 0, "moe_fc1: bad shapes");
-  if (launch_moe_fc1_fp4_stream(t, ids, n_pairs, top_k, x, glu, limit, act, s)) return;
+  if (launch_moe_fc1_fp4_stream(t, ids, n_pairs, top_k, x, glu, limit, act, fp16_acts, s)) return;
   if (launch_moe_fc1_fp4(t, ids, n_pairs, top_k, x, glu, limit, act, s)) return;
   const int np = static_cast<int>(n_pairs);
   switch (t.kind) {
@@ -510,9 +511,9 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 }
 
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, cudaStream_t s) {
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s) {
   NB_CHECK(n_tokens >= 1 && t.d_model > 0, "moe_fc2: bad shapes");
-  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, s)) return;
+  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, fp16_acts, s)) return;
   if (launch_moe_fc2_fp4(t, ids, weights, n_tokens, top_k, act, y, s)) return;
   const int nt = static_cast<int>(n_tokens);
   switch (t.kind) {

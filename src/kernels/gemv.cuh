@@ -12,7 +12,10 @@
 namespace nb::cuda {
 
 // y[t, :] = x[t, :] @ w^T (+ bias) for t < m. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
-void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, cudaStream_t s);
+// fp16_acts: the one-token FP4 kernels round activations to one fp16 instead of hi + lo
+// (CudaBackendOptions::gemm_fp16_activations; the other kernels keep their precision).
+void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, bool fp16_acts,
+                   cudaStream_t s);
 
 // The tensor-core FP4 paths (gemv_fp4.cu): MXFP4/NVFP4, 16-byte aligned rows, linear at 1 <= m <= 8 and
 // the MoE projections. Each returns false (nothing launched) for anything else, and the callers below fall
@@ -24,7 +27,7 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 // of a single token; k % 32 == 0, k <= 4096, 16-byte aligned rows. Tried first; false (nothing launched)
 // otherwise. NIBBLE_FP4_STREAM=0 turns them off (benchmark knob; the tests' second run).
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
-                              cudaStream_t s);
+                              bool fp16_acts, cudaStream_t s);
 
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 
@@ -45,22 +48,22 @@ struct ExpertTable {
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch
 // for all selected experts, SwiGLU (plain or gpt-oss clamped) fused in the epilogue.
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                    Glu glu, float limit, float* act, cudaStream_t s);
+                    Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
 // y[t] = sum_i weights[t, i] * (fc2_e(act[t * top_k + i]) + bias_e): all choices in one launch, summed
 // in choice order inside one warp (deterministic). ids and weights must be complete by the time the
 // previous kernel on the stream passes its wait (as right after launch_moe_fc1 with the same routes: the
 // FC1 kernels let their successor launch only then, pdl_wait_then_launch): the one-token kernel reads them,
 // and its first weights, before waiting for that kernel.
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, cudaStream_t s);
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s);
 
 bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                         Glu glu, float limit, float* act, cudaStream_t s);
 bool launch_moe_fc2_fp4(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                         const float* act, float* y, cudaStream_t s);
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                               Glu glu, float limit, float* act, cudaStream_t s);
+                               Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
-                               int top_k, const float* act, float* y, cudaStream_t s);
+                               int top_k, const float* act, float* y, bool fp16_acts, cudaStream_t s);
 
 }  // namespace nb::cuda

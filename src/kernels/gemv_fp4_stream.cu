@@ -17,8 +17,10 @@
 // times 2^(e - 127 + c) for MXFP4, c = 14 for any trained weight and lower for a row whose largest block
 // would overflow fp16 -- exact for blocks within 2^24 of the row's largest; times ue4m3 * 2^7 for NVFP4,
 // always exact; 2^(14 - c), 2^7 and the global scale come back per output).
-// Activations: x * 2^s (max |x| into [2^14, 2^15)) as fp16 hi + lo (~22 bits, as gemv_fp4.cu), so the
-// products are exact in the fp32 accumulators; 2^-s comes back per output.
+// Activations: x * 2^s (max |x| into [2^14, 2^15)) as one fp16 (11 bits, the default: the prefill GEMMs'
+// CudaBackendOptions::gemm_fp16_activations) or fp16 hi + lo (~22 bits, as gemv_fp4.cu: two MMAs per slice,
+// so the products are exact in the fp32 accumulators); 2^-s comes back per output. One fp16 halves the
+// MMAs and shared-memory loads: H200, lm_head MXFP4 68 -> 81 % of the read bandwidth, tg128 +6 %.
 //
 // Work: a warp walks row pairs (strided over the grid's warps; FC2: the top_k warps of a group take the
 // choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
@@ -140,7 +142,7 @@ __device__ __forceinline__ void stage_scales(int rows, StageShared& ss) {
   }
 }
 __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
-                            const StageShared& ss, uint4* planes) {
+                            const StageShared& ss, bool split, uint4* planes) {
   const int total = rows * n_chunks(k) * kChunk / 8, half = n_chunks(k) * 4 * 32;
   auto store = [&](int i, int w, float (&v)[8]) {
     const float p = ss.pre[i];
@@ -150,7 +152,7 @@ __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, i
     split_octet(v, hi, lo);
     uint4* row = planes + static_cast<size_t>(i) * row_words(k);
     row[w] = hi;
-    row[half + w] = lo;
+    if (split) row[half + w] = lo;
   };
 #pragma unroll
   for (int j = 0; j < kHold; ++j) {
@@ -273,7 +275,7 @@ __device__ __forceinline__ uint32_t word(const uint4& c, int w) {
 // acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
 // chunk: hi planes at xs, lo planes at xs + half), the weights folded with the rows' windows c0, c1; two
 // accumulator sets halve the HMMA dependency chain.
-template <WKind K>
+template <WKind K, bool kSplit>
 __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, int c0, int c1,
                                              float (&acc)[2][4]) {
   using F = Fmt<K>;
@@ -284,7 +286,7 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
   F::folds(sb, c1, fb);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const uint4 h = xs[w * 32 + lane], l = xs[half + w * 32 + lane];
+    const uint4 h = xs[w * 32 + lane], l = kSplit ? xs[half + w * 32 + lane] : uint4{};
     uint32_t ha[4], hb[4];
     e2m1_word(word(it.a, w), ha);
     e2m1_word(word(it.b, w), hb);
@@ -294,9 +296,9 @@ __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, in
     const uint32_t a0[4] = {ha[0], hb[0], ha[1], hb[1]}, a1[4] = {ha[2], hb[2], ha[3], hb[3]};
     float(&c)[4] = acc[w / 2];
     mma_f16_16816(c, a0, h.x, h.y);
-    mma_f16_16816(c, a0, l.x, l.y);
+    if (kSplit) mma_f16_16816(c, a0, l.x, l.y);
     mma_f16_16816(c, a1, h.z, h.w);
-    mma_f16_16816(c, a1, l.z, l.w);
+    if (kSplit) mma_f16_16816(c, a1, l.z, l.w);
   }
 }
 
@@ -329,7 +331,7 @@ struct Unit {
 // `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for the
 // previous kernel). The next unit's loads -- weights and epilogue values, so that no global load latency
 // is left for the finish -- go out before the current unit's math: NC items per warp in flight.
-template <WKind K, int NC, class Op>
+template <WKind K, int NC, bool kSplit, class Op>
 __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
   const int words = row_words(k);
   Item nxt[NC];
@@ -346,7 +348,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     float acc[2][4] = {};
     const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) compute_item<K>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
+    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
     pair_sums(acc, v0, v1);
     op.finish(u, v0 * exp2f(14 - c0), v1 * exp2f(14 - c1), epi);  // (exact powers of two: 1 unless a window moved)
@@ -390,7 +392,7 @@ struct LinearOp {
   }
 };
 
-template <WKind K, int NC>
+template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
@@ -412,10 +414,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   stage_scales(1, ss);
   __syncthreads();
-  stage_store(x, w.k, 1, w.k, h, ss, planes);
+  stage_store(x, w.k, 1, w.k, h, ss, kSplit, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, w.k, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
 }
 
 // Where the rows of one routed expert's projection lie: row r (FC1: output r's gate row, or its up row)
@@ -506,7 +508,7 @@ struct Fc1Op {
   }
 };
 
-template <WKind K, int NC>
+template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
@@ -531,10 +533,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   stage_scales(1, ss);
   __syncthreads();
-  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, planes);
+  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, kSplit, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  if (first.p < op.n_pairs) walk<K, NC>(op, tab.d_model, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, tab.d_model, planes, first, cur);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
@@ -583,7 +585,7 @@ struct Fc2Op {
   }
 };
 
-template <WKind K, int NC>
+template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
                       const float* __restrict__ weights, int top_k, const float* __restrict__ act,
@@ -613,9 +615,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   stage_scales(top_k, ss);
   __syncthreads();
-  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, planes);
+  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, kSplit, planes);
   __syncthreads();
-  walk<K, NC>(op, tab.d_expert, planes, first, cur);
+  walk<K, NC, kSplit>(op, tab.d_expert, planes, first, cur);
 }
 
 // ---- Launch ----
@@ -630,6 +632,7 @@ bool enabled() {
 }
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
+
 
 // k in whole lanes (k % 32), at most kMaxChunks chunks; rows of 16-byte aligned codes and, for NVFP4,
 // 2-byte aligned scale pairs.
@@ -670,26 +673,28 @@ int grid_for(Kernel kernel, int warps, size_t smem, int n_pairs) {
   return std::max(1, std::min(std::max(1, per_sm) * device().sms, ceil_div(n_pairs, warps)));
 }
 
-// Calls f.template operator()<NC>() with NC = the chunk count of k (1..kMaxChunks).
+// Calls f.template operator()<NC, kSplit>() with NC = the chunk count of k (1..kMaxChunks) and kSplit =
+// split (hi + lo activations).
 template <class F>
-void with_chunks(int k, F&& f) {
+void with_chunks(int k, bool split, F&& f) {
+  auto go = [&]<int NC>() { return split ? f.template operator()<NC, true>() : f.template operator()<NC, false>(); };
   switch (n_chunks(k)) {
     case 1:
-      return f.template operator()<1>();
+      return go.template operator()<1>();
     case 2:
-      return f.template operator()<2>();
+      return go.template operator()<2>();
     case 3:
-      return f.template operator()<3>();
+      return go.template operator()<3>();
     default:
-      return f.template operator()<4>();
+      return go.template operator()<4>();
   }
 }
 
 template <WKind K>
-void linear(const DevWeight& w, const float* x, const float* bias, float* y, cudaStream_t s) {
+void linear(const DevWeight& w, const float* x, const float* bias, float* y, bool split, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
-  with_chunks(w.k, [&]<int NC>() {
-    auto kernel = stream_linear_kernel<K, NC>;
+  with_chunks(w.k, split, [&]<int NC, bool kSplit>() {
+    auto kernel = stream_linear_kernel<K, NC, kSplit>;
     const int warps = device().warps;
     launch_pdl(kernel, grid_for(kernel, warps, smem, (w.n + 1) / 2), warps * 32, smem, s, w, x, bias, y);
   });
@@ -698,7 +703,7 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, cud
 
 template <WKind K>
 void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
-         float* act, cudaStream_t s) {
+         float* act, bool split, cudaStream_t s) {
   // Every warp the same number of row-pair units: the grid sized so that the last round is (nearly) full,
   // as fc2 does (gpt-oss-120b: 11520 pairs, 120 blocks x 16 warps x 6 rounds instead of 132 blocks and a
   // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps one block per SM (measurement knob).
@@ -708,8 +713,8 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
   }();
   const size_t smem = stage_bytes(1, t.d_model);
   const int n_pairs = top_k * t.d_expert;
-  with_chunks(t.d_model, [&]<int NC>() {
-    auto kernel = stream_fc1_kernel<K, NC>;
+  with_chunks(t.d_model, split, [&]<int NC, bool kSplit>() {
+    auto kernel = stream_fc1_kernel<K, NC, kSplit>;
     const int warps = device().warps, max_grid = grid_for(kernel, warps, smem, n_pairs);
     const int grid = even ? ceil_div(n_pairs, ceil_div(n_pairs, max_grid * warps) * warps) : max_grid;
     launch_pdl(kernel, grid, warps * 32, smem, s, t, ids, top_k, x, glu, limit, act);
@@ -719,13 +724,13 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
 
 template <WKind K>
 void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
-         float* y, cudaStream_t s) {
+         float* y, bool split, cudaStream_t s) {
   // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
   // the last round is (nearly) full.
   const size_t smem = stage_bytes(top_k, t.d_expert);
   const int groups = device().warps / top_k, n_pairs = (t.d_model + 1) / 2;
-  with_chunks(t.d_expert, [&]<int NC>() {
-    auto kernel = stream_fc2_kernel<K, NC>;
+  with_chunks(t.d_expert, split, [&]<int NC, bool kSplit>() {
+    auto kernel = stream_fc2_kernel<K, NC, kSplit>;
     const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
     const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
     launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, ids, weights, top_k, act, y, rounds);
@@ -741,34 +746,35 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 }  // namespace
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
-                              cudaStream_t s) {
+                              bool fp16_acts, cudaStream_t s) {
   if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
   if (w.kind == WKind::kMXFP4)
-    linear<WKind::kMXFP4>(w, x, bias, y, s);
+    linear<WKind::kMXFP4>(w, x, bias, y, !fp16_acts, s);
   else
-    linear<WKind::kNVFP4>(w, x, bias, y, s);
+    linear<WKind::kNVFP4>(w, x, bias, y, !fp16_acts, s);
   return true;
 }
 
 // Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the
 // upload buffer, so the NVFP4 scale pairs are aligned too.
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k,
-                               const float* x, Glu glu, float limit, float* act, cudaStream_t s) {
+                               const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;
   if (t.kind == WKind::kMXFP4)
-    fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, s);
+    fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, !fp16_acts, s);
   else
-    fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, s);
+    fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, !fp16_acts, s);
   return true;
 }
 
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights,
-                               int64_t n_tokens, int top_k, const float* act, float* y, cudaStream_t s) {
+                               int64_t n_tokens, int top_k, const float* act, float* y, bool fp16_acts,
+                               cudaStream_t s) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
   if (t.kind == WKind::kMXFP4)
-    fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, s);
+    fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, !fp16_acts, s);
   else
-    fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, s);
+    fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, !fp16_acts, s);
   return true;
 }
 

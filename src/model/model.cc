@@ -47,7 +47,7 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
   // Environment switches, checked on every backend so that a misspelt value is an error, not a silently
-  // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs): fp16 (the default) or hi-lo (~22 bits,
+  // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default) or hi-lo (~22 bits,
   // slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read by the kernels)
   // NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws; unset: the
   // backend's choice) and NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher). (Values unused

@@ -5,6 +5,8 @@
 // Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -111,12 +113,20 @@ Weight host_copy(const Weight& w, std::vector<std::vector<uint8_t>>& keep) {
 class CudaOps : public ::testing::Test {
  protected:
   void SetUp() override {
+    if (!make_gpu(false)) GTEST_SKIP() << "no usable GPU";
+  }
+  // The backend under test, with hi + lo activations in the FP4 tensor-core kernels (the bounds below are
+  // fp32 summation's) or, for the tests of the one-token kernels' second mode, one fp16 per activation
+  // (CudaBackendOptions::gemm_fp16_activations, the default in use). Weights are uploaded per backend.
+  bool make_gpu(bool fp16_acts) {
     CudaBackendOptions o;
     o.poison = true;
     o.kv_cache_dtype = DType::kF32;
+    o.gemm_fp16_activations = fp16_acts;
     auto g = CudaBackend::create(o);
-    if (!g.ok()) GTEST_SKIP() << g.status().message();
+    if (!g.ok()) return false;
     gpu_ = std::move(g.value());
+    return true;
   }
   Tensor cpu_t(const std::vector<float>& v, std::vector<int64_t> shape) {
     Tensor t = cpu_.alloc(DType::kF32, std::move(shape));
@@ -153,15 +163,16 @@ class CudaOps : public ::testing::Test {
   HostBytes hb_;
 };
 
-// Summation bound for x [m, k] @ w^T: k * 2^-23 * sum_j |w_ij x_j| + 1e-6.
-std::vector<float> linear_tol(const std::vector<float>& x, const Weight& w, int64_t m) {
+// Summation bound for x [m, k] @ w^T: (eps + k * 2^-23) * sum_j |w_ij x_j| + 1e-6, eps the activations'
+// relative rounding (0: exact products; one fp16: 2^-11).
+std::vector<float> linear_tol(const std::vector<float>& x, const Weight& w, int64_t m, double eps = 0.0) {
   std::vector<float> tol(m * w.n), row(w.k);
   for (int64_t j = 0; j < w.n; ++j) {
     dequantize_row(w, j, row.data());
     for (int64_t t = 0; t < m; ++t) {
       double s = 0;
       for (int64_t i = 0; i < w.k; ++i) s += std::abs(row[i] * x[t * w.k + i]);
-      tol[t * w.n + j] = static_cast<float>(w.k * 1.2e-7 * s + 1e-6);
+      tol[t * w.n + j] = static_cast<float>((eps + w.k * 1.2e-7) * s + 1e-6);
     }
   }
   return tol;
@@ -397,24 +408,29 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
       {WeightFormat::kNVFP4, 70, 2880, 2, 0.05f}, {WeightFormat::kNVFP4, 33, 4128, 3, 0.05f},
       {WeightFormat::kNVFP4, 1, 32, 1, 0.05f},    {WeightFormat::kNVFP4, 3000, 1024, 2, 40.0f},
   };
-  for (const Case& c : cases) {
-    const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, DType::kBF16, c.spread);
-    upload(w);
-    const std::vector<float> bias = randn(c.n);
-    for (int rep = 0; rep < 3; ++rep) {
-      std::vector<float> x = randn(c.k);
-      if (rep == 1) for (float& v : x) v *= 3e4f;
-      if (rep == 2) for (float& v : x) v *= 1e-6f;
-      Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
-      const bool with_bias = rep != 1;
-      const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {1, c.k}), w, with_bias ? &cb : nullptr));
-      const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {1, c.k}), w, with_bias ? &gb : nullptr));
-      std::vector<float> tol = linear_tol(x, w, 1);
-      for (float& t : tol) t += 1e-6f;
-      expect_close(want, got, tol,
-                   std::string("stream ") + weight_format_name(c.f) + " n " + std::to_string(c.n) + " k " +
-                       std::to_string(c.k) + " parts " + std::to_string(c.parts) + " spread " +
-                       std::to_string(c.spread) + " rep " + std::to_string(rep));
+  // Both activation modes: hi + lo (exact products: the summation bound) and one fp16 (its rounding,
+  // <= 2^-11 relative per element, added to the bound).
+  for (bool fp16 : {false, true}) {
+    ASSERT_TRUE(make_gpu(fp16));
+    for (const Case& c : cases) {
+      const Weight w = make_weight(hb_, c.f, c.n, c.k, c.parts, DType::kBF16, c.spread);
+      upload(w);
+      const std::vector<float> bias = randn(c.n);
+      for (int rep = 0; rep < 3; ++rep) {
+        std::vector<float> x = randn(c.k);
+        if (rep == 1) for (float& v : x) v *= 3e4f;
+        if (rep == 2) for (float& v : x) v *= 1e-6f;
+        Tensor cb = cpu_t(bias, {c.n}), gb = gpu_t(bias, {c.n});
+        const bool with_bias = rep != 1;
+        const std::vector<float> want = cpu_.to_host(cpu_.linear(cpu_t(x, {1, c.k}), w, with_bias ? &cb : nullptr));
+        const std::vector<float> got = gpu_->to_host(gpu_->linear(gpu_t(x, {1, c.k}), w, with_bias ? &gb : nullptr));
+        std::vector<float> tol = linear_tol(x, w, 1, fp16 ? 0x1p-11 : 0.0);
+        for (float& t : tol) t += 1e-6f;
+        expect_close(want, got, tol,
+                     std::string("stream ") + weight_format_name(c.f) + " n " + std::to_string(c.n) + " k " +
+                         std::to_string(c.k) + " parts " + std::to_string(c.parts) + " spread " +
+                         std::to_string(c.spread) + " rep " + std::to_string(rep) + (fp16 ? " one fp16" : " hi+lo"));
+      }
     }
   }
 }
@@ -423,8 +439,14 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
 // at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 TEST_F(CudaOps, MoeRouteAndExperts) {
   // Variants 0, 5 and 6 route one token (the row-streaming kernels: MXFP4 small, NVFP4 and MXFP4 with k that
-  // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs).
-  for (int variant = 0; variant < 7; ++variant) {
+  // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs). The
+  // one-token variants run again with one fp16 per activation (x, then the GLU output): two roundings of
+  // <= 2^-11 relative entering sums of random-sign terms, bounded as gemm_cuda_test bounds them, by 64 of
+  // those at the output's scale (the GLU slopes stay below ~4 here).
+  for (int run = 0; run < 10; ++run) {
+    const bool fp16 = run >= 7;
+    const int variant = fp16 ? std::array{0, 5, 6}[run - 7] : run;
+    if (run == 0 || run == 7) ASSERT_TRUE(make_gpu(fp16));
     const int E = 8, top_k = variant >= 3 ? 4 : 3;
     // Variant 6 has gpt-oss's expert width: FC2 stages 4 x 2880 activations (48 KiB of shared memory).
     const int d_model = variant == 6 ? 1088 : variant >= 3 ? 640 : 64, d_ff = variant == 6 ? 2880 : variant >= 3 ? 352 : 96;
@@ -465,8 +487,11 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     const std::vector<float> want = cpu_.to_host(cpu_.moe_experts(cpu_t(x, {T, d_model}), cr, ex, glu));
     const std::vector<float> got = gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), gr, gex, glu));
     std::vector<float> tol(want.size());  // fp32 sums of ~k products: an absolute floor plus relative
-    for (size_t i = 0; i < want.size(); ++i) tol[i] = 2e-4f + 2e-5f * std::abs(want[i]);
-    expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant));
+    float scale = 0.0f;
+    for (float v : want) scale = std::max(scale, std::abs(v));
+    for (size_t i = 0; i < want.size(); ++i)
+      tol[i] = 2e-4f + 2e-5f * std::abs(want[i]) + (fp16 ? 64 * 0x1p-11f * scale : 0.0f);
+    expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant) + (fp16 ? " one fp16" : ""));
   }
 }
 

@@ -36,14 +36,15 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
     ref_nll_ = ref_["nll"].get<std::vector<double>>();
     load(DType::kF32);
   }
-  // gemm: 0 the default thresholds, 1 every linear and MoE layer through the prefill GEMMs (hi + lo
-  // activations), 2 the same with one fp16 per activation.
+  // gemm: 0 the default thresholds (hi + lo activations), 1 every linear and MoE layer through the prefill
+  // GEMMs (hi + lo), 2 the same with one fp16 per activation, 3 the default thresholds with one fp16 per
+  // activation (what a user gets: prefill GEMMs and one-token decode GEMVs round to one fp16).
   void load(DType kv, int gemm = 0, int prefill_attention_min_tokens = 0) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.kv_cache_dtype = kv;
-    if (gemm > 0) o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
-    o.gemm_fp16_activations = gemm == 2;
+    if (gemm == 1 || gemm == 2) o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
+    o.gemm_fp16_activations = gemm >= 2;
     o.prefill_attention_min_tokens = prefill_attention_min_tokens;
     auto m = Model::load(dir_, o);
     ASSERT_TRUE(m.ok()) << m.status().message();
@@ -66,9 +67,13 @@ class GoldenCuda : public ::testing::TestWithParam<std::string> {
 TEST_P(GoldenCuda, Nll) {
   const double one = chunked_nll_error({64}, {0, 1, 2, 3});
   const double chunks = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
-  std::printf("%s cuda: max NLL error, one batch %.2e, chunks 10+1+53 %.2e\n", GetParam().c_str(), one, chunks);
+  load(DType::kF32, 3);  // one fp16 per activation, the one-token chunk through the decode GEMVs
+  const double fp16 = chunked_nll_error({10, 1, 53}, {6, 2, 7, 0});
+  std::printf("%s cuda: max NLL error, one batch %.2e, chunks 10+1+53 %.2e; one fp16 activations, chunks %.2e\n",
+              GetParam().c_str(), one, chunks, fp16);
   EXPECT_LT(one, kNllTolerance);
   EXPECT_LT(chunks, kNllTolerance);
+  EXPECT_LT(fp16, kNllTolerance);
 }
 
 // The prompts (64 tokens) are below the default GEMM thresholds in places, so force the prefill GEMMs
@@ -101,23 +106,27 @@ TEST_P(GoldenCuda, TwoSequencesOneBatch) {
   EXPECT_LT(nll_error(out->data(), 1), kNllTolerance);
 }
 
+// Greedy decoding through the KV cache, with hi + lo activations and with one fp16 (the default in use).
 TEST_P(GoldenCuda, GreedyWithKvCache) {
-  const auto& g = ref_["greedy"];
-  const std::vector<int32_t> prompt = g["prompt"].get<std::vector<int32_t>>();
-  const std::vector<int32_t> want = g["ids"].get<std::vector<int32_t>>();
-  const std::vector<double> margins = g["margins"].get<std::vector<double>>();
-  const size_t checked =
-      std::find_if(margins.begin(), margins.end(), [](double m) { return m < kMinMargin; }) - margins.begin();
-  auto cache = model_->new_kv_cache(8);
-  const std::vector<int32_t> table = {4, 1, 6};
-  Batch b{prompt, {{table, 0, static_cast<int32_t>(prompt.size()), false}}};
-  for (size_t step = 0; step < want.size(); ++step) {
-    auto out = model_->forward(b, *cache);
-    ASSERT_TRUE(out.ok()) << out.status().message();
-    const int next = static_cast<int>(std::max_element(out->begin(), out->end()) - out->begin());
-    if (step < checked) EXPECT_EQ(next, want[step]) << "greedy step " << step;
-    const int32_t past = b.seqs[0].n_past + b.seqs[0].n_new;
-    b = Batch{{want[step]}, {{table, past, 1, false}}};
+  for (int gemm : {0, 3}) {
+    load(DType::kF32, gemm);
+    const auto& g = ref_["greedy"];
+    const std::vector<int32_t> prompt = g["prompt"].get<std::vector<int32_t>>();
+    const std::vector<int32_t> want = g["ids"].get<std::vector<int32_t>>();
+    const std::vector<double> margins = g["margins"].get<std::vector<double>>();
+    const size_t checked =
+        std::find_if(margins.begin(), margins.end(), [](double m) { return m < kMinMargin; }) - margins.begin();
+    auto cache = model_->new_kv_cache(8);
+    const std::vector<int32_t> table = {4, 1, 6};
+    Batch b{prompt, {{table, 0, static_cast<int32_t>(prompt.size()), false}}};
+    for (size_t step = 0; step < want.size(); ++step) {
+      auto out = model_->forward(b, *cache);
+      ASSERT_TRUE(out.ok()) << out.status().message();
+      const int next = static_cast<int>(std::max_element(out->begin(), out->end()) - out->begin());
+      if (step < checked) EXPECT_EQ(next, want[step]) << "greedy step " << step << (gemm ? ", one fp16" : "");
+      const int32_t past = b.seqs[0].n_past + b.seqs[0].n_new;
+      b = Batch{{want[step]}, {{table, past, 1, false}}};
+    }
   }
 }
 

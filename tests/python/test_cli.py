@@ -141,7 +141,7 @@ def test_dummy_weights_in_help():
 
 
 def test_gemm_activations_env_is_checked():
-    """NIBBLE_GEMM_ACTIVATIONS takes fp16 or hi-lo (CUDA prefill GEMMs); a misspelt value is a one-line
+    """NIBBLE_GEMM_ACTIVATIONS takes fp16 or hi-lo (CUDA prefill GEMMs, one-token GEMVs); a misspelt value is a one-line
     error on any backend instead of a silently ignored setting."""
     model = ROOT / "models" / "default"
     args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]

@@ -521,7 +521,8 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     impl_->dense_gemm->run(dw, x.data<float>(), m, b, out.data<float>(), scratch.data<uint8_t>(), impl_->stream);
     return out;
   }
-  cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->stream);
+  cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->options.gemm_fp16_activations,
+                      impl_->stream);
   return out;
 }
 
@@ -714,7 +715,8 @@ Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExpe
                           : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
   Tensor act = alloc(DType::kF32, {n_tokens * top_k, ex.d_expert});
   cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
-                       x.data<float>(), g, glu.limit, act.data<float>(), impl_->stream);
+                       x.data<float>(), g, glu.limit, act.data<float>(), impl_->options.gemm_fp16_activations,
+                       impl_->stream);
   return act;
 }
 
@@ -726,7 +728,8 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   // The routes are older than the kernel before this one (moe_experts launches FC2 right after FC1 with the
   // same routes; the benchmark makes them first), as launch_moe_fc2 needs.
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
-                       static_cast<int>(top_k), act.data<float>(), y.data<float>(), impl_->stream);
+                       static_cast<int>(top_k), act.data<float>(), y.data<float>(),
+                       impl_->options.gemm_fp16_activations, impl_->stream);
   return y;
 }
 

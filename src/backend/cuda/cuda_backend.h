@@ -27,8 +27,9 @@ struct CudaBackendOptions {
   // 0: the measured defaults (cuda_backend.cu); 1 forces the GEMMs (tests).
   int gemm_min_tokens = 0;
   int moe_gemm_min_tokens = 0;
-  // The prefill GEMMs round activations to one fp16 (11 bits; the default, measured 1.2-1.3x faster end
-  // to end) or keep hi + lo (~22 bits, the goldens' 1e-4 accuracy; NIBBLE_GEMM_ACTIVATIONS=hi-lo).
+  // The FP4 tensor-core paths round activations to one fp16 (11 bits; the default: prefill GEMMs measured
+  // 1.2-1.3x faster end to end, the one-token decode GEMVs +6 % tg128) or keep hi + lo (~22 bits, the
+  // goldens' 1e-4 accuracy; NIBBLE_GEMM_ACTIVATIONS=hi-lo). (The 2..8-token decode kernels keep hi + lo.)
   bool gemm_fp16_activations = true;
   // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
   // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
