@@ -351,7 +351,9 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
     pair_sums(acc, v0, v1);
-    op.finish(u, v0 * exp2f(14 - c0), v1 * exp2f(14 - c1), epi);  // (exact powers of two: 1 unless a window moved)
+    // 2^(14 - c) built from its bits (c <= 14; 1 unless a window moved): exp2f's special cases cost ~10
+    // instructions per unit.
+    op.finish(u, v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23), epi);
     u = un, epi = epi_next;
     return more;
   };
@@ -376,6 +378,8 @@ struct LinearOp {
   __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
     int ra = 2 * u.p, rb = min(2 * u.p + 1, w.n - 1);
+    // One part (lm_head, O, most weights): no part lookup (two loops with constant loads per unit otherwise).
+    if (w.n_parts == 1) return lane_rows<K>(w.part[0], ra, w.part[0], rb, w.k);
     const DevPart& pa = find_part(w, ra);
     const DevPart& pb = find_part(w, rb);
     return lane_rows<K>(pa, ra, pb, rb, w.k);
@@ -388,7 +392,8 @@ struct LinearOp {
     const int lane = threadIdx.x & 31, r = 2 * u.p + (lane >> 4);
     if ((lane & 15) != 0 || r >= w.n) return;
     int rr = r;
-    y[r] = (lane ? v1 : v0) * unscale * post<K>(find_part(w, rr)) + (lane ? b.y : b.x);
+    const float pf = w.n_parts == 1 ? post<K>(w.part[0]) : post<K>(find_part(w, rr));
+    y[r] = (lane ? v1 : v0) * unscale * pf + (lane ? b.y : b.x);
   }
 };
 
