@@ -273,8 +273,8 @@ __device__ __forceinline__ uint32_t word(const uint4& c, int w) {
 }
 
 // acc[w / 2] += this item's products (rows r0, r1 against the lane's staged activations of the item's
-// chunk: hi planes at xs, lo planes at xs + half), the weights folded with the rows' windows c0, c1; two
-// accumulator sets halve the HMMA dependency chain.
+// chunk: hi planes at xs, and with kSplit the lo planes at xs + half), the weights folded with the rows'
+// windows c0, c1; two accumulator sets halve the HMMA dependency chain.
 template <WKind K, bool kSplit>
 __device__ __forceinline__ void compute_item(const Item& it, const uint4* xs, int half, int c0, int c1,
                                              float (&acc)[2][4]) {
