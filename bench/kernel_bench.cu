@@ -83,6 +83,10 @@ bool wanted(const char* model, const char* proj, WeightFormat f) {
 int run(bool quick) {
   CudaBackendOptions o;  // NIBBLE_GEMM_ACTIVATIONS=hi-lo: the one-token FP4 kernels with hi + lo activations
   const char* acts = std::getenv("NIBBLE_GEMM_ACTIVATIONS");
+  if (acts && std::string(acts) != "fp16" && std::string(acts) != "hi-lo") {
+    std::fprintf(stderr, "nibble_kernel_bench: error: NIBBLE_GEMM_ACTIVATIONS=%s: expected fp16 or hi-lo\n", acts);
+    return 2;
+  }
   o.gemm_fp16_activations = !(acts && std::string(acts) == "hi-lo");
   auto be = CudaBackend::create(o);
   if (!be.ok()) {

@@ -178,3 +178,15 @@ def test_e2e_bench_rejects_bad_arguments(args, needles):
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert_one_line_error(proc, *needles)
+
+
+KERNEL_BENCH = pathlib.Path(NIBBLE).parent / "nibble_kernel_bench"
+
+
+@pytest.mark.skipif(not KERNEL_BENCH.exists(), reason="no CUDA build (nibble_kernel_bench)")
+def test_kernel_bench_rejects_bad_activation_mode():
+    """NIBBLE_GEMM_ACTIVATIONS is checked before touching a GPU: one line naming it, exit 2."""
+    proc = subprocess.run([str(KERNEL_BENCH)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "NIBBLE_GEMM_ACTIVATIONS": "hilo"})
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "NIBBLE_GEMM_ACTIVATIONS=hilo", "fp16 or hi-lo")
