@@ -7,7 +7,9 @@
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
 // Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
-//                         [--dense-formats keep,fp8,mxfp4,nvfp4]
+//                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--depth N]
+//   --depth N: the decode runs after an N-token prompt (one prefill step) instead of one token: tg128 at
+//   context depth N (llama-benchy's "tg128 @ dN")
 //        CONFIG_DIR...
 //   --gemm-acts: the FP4 tensor-core paths' activations (prefill GEMMs and one-token decode GEMVs): one fp16
 //   (the default) or hi + lo
@@ -69,6 +71,7 @@ struct Args {
   double max_seconds = 20;
   bool tg = true;
   int gemm_acts = -1;  // FP4 tensor-core activations: -1 the default, 0 hi + lo, 1 one fp16
+  int depth = 0;       // decode context before tg128 (0: a one-token prompt)
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
@@ -111,6 +114,14 @@ Args parse(int argc, char** argv) {
         }
         p = e + 1;
       }
+    } else if (s == "--depth" && i + 1 < argc) {
+      char* end = nullptr;
+      const long v = std::strtol(argv[++i], &end, 10);
+      if (*end != '\0' || v < 0 || v > (1 << 20)) {
+        std::fprintf(stderr, "nibble_e2e_bench: error: --depth %s: expected a token count 0..1048576\n", argv[i]);
+        std::exit(2);
+      }
+      a.depth = static_cast<int>(v);
     } else if (s == "--no-tg") {
       a.tg = false;
     } else {
@@ -207,11 +218,12 @@ int run(int argc, char** argv) {
 }
 
 void run_decode(const Args& args, double bw) {
-  std::printf("Decode, batch 1, one-token GEMV activations %s\n\n",
-              args.gemm_acts < 0 ? "default (one fp16)" : args.gemm_acts ? "one fp16" : "hi + lo");
-  std::printf("| model | dense format | ready s | GB/token (ctx 64) | tg128 tok/s | roofline tok/s | %% of roofline |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
   constexpr int kSteps = 128;
+  const int prompt = std::max(1, args.depth), ctx = args.depth + kSteps / 2;  // ~the mean context of the steps
+  std::printf("Decode, batch 1, one-token GEMV activations %s, %d-token prompt\n\n",
+              args.gemm_acts < 0 ? "default (one fp16)" : args.gemm_acts ? "one fp16" : "hi + lo", prompt);
+  std::printf("| model | dense format | ready s | GB/token (ctx %d) | tg128 tok/s | roofline tok/s | %% of roofline |\n", ctx);
+  std::printf("|---|---|---|---|---|---|---|\n");
   for (const std::string& dir : args.dirs) {
     for (DenseFormat dense : args.dense) {
       ModelOptions o;
@@ -226,11 +238,14 @@ void run_decode(const Args& args, double bw) {
         continue;
       }
       Model& model = **m;
-      auto cache = model.new_kv_cache((kSteps + 16) / 16 + 1);
+      const int blocks = (prompt + kSteps + 16) / 16 + 1;
+      auto cache = model.new_kv_cache(blocks);
       std::vector<int32_t> table;
-      for (int i = 0; i < (kSteps + 16) / 16 + 1; ++i) table.push_back(i);
-      Batch b{{1}, {{table, 0, 1, false}}};
-      auto out = model.forward(b, *cache);  // prompt: one token
+      for (int i = 0; i < blocks; ++i) table.push_back(i);
+      std::vector<int32_t> prompt_ids(prompt);
+      for (int i = 0; i < prompt; ++i) prompt_ids[i] = 1 + i % 100;
+      Batch b{prompt_ids, {{table, 0, prompt, false}}};
+      auto out = model.forward(b, *cache);  // the prompt, one step
       const double ready = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!out.ok()) {
         std::printf("| %s | %s | forward failed: %s |\n", dir.c_str(), dense_format_name(dense), out.status().message().c_str());
@@ -239,11 +254,11 @@ void run_decode(const Args& args, double bw) {
       std::chrono::steady_clock::time_point start;
       for (int step = 0; step < kSteps + 2; ++step) {
         if (step == 2) start = std::chrono::steady_clock::now();  // two warm-up steps: eager, capture
-        b = Batch{{static_cast<int32_t>(1 + step % 100)}, {{table, step + 1, 1, false}}};
+        b = Batch{{static_cast<int32_t>(1 + step % 100)}, {{table, prompt + step, 1, false}}};
         if (!model.forward_sampled(b, *cache, {SampleSpec{}}).ok()) break;  // greedy on the GPU, as the engine
       }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const double tps = kSteps / secs, bpt = bytes_per_token(model.config(), dense, 64);
+      const double tps = kSteps / secs, bpt = bytes_per_token(model.config(), dense, ctx);
       const double roof = bw * 1e9 / bpt;
       std::printf("| %s | %s | %.2f | %.3f | %.1f | %.0f | %.1f%% |\n", dir.c_str(), dense_format_name(dense), ready,
                   bpt / 1e9, tps, roof, 100 * tps / roof);

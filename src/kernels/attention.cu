@@ -6,7 +6,11 @@
 // in the last split block of each (token, head) to finish when AttnShape::arrivals is given (one launch),
 // else in a second kernel.
 // With skip_min_new, tokens of long new runs (prefill chunks) are left to the tiled kernel.
+// attention_keys_kernel (below) takes the one-launch path for head_dim 64 and 128: lanes over keys, one
+// round trip per 8 keys of a warp instead of one per key, and one split up to 128 keys.
 #include "kernels/attention.cuh"
+
+#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/backend.h"
@@ -23,8 +27,8 @@ static_assert(kMaxHeadDim % 32 == 0);
 // Whether token t belongs to a sequence the tiled prefill kernel takes (AttnShape::skip_min_new).
 __device__ __forceinline__ bool skipped(const DevBatch& b, const AttnShape& a, int64_t t) {
   if (a.skip_min_new <= 0) return false;
-  const int s = b.seq_of[t];
-  return a.seq_begin[s + 1] - a.seq_begin[s] >= a.skip_min_new;
+  const int s = __ldcg(b.seq_of + t);  // (through L2: the keys kernel reads it before its wait)
+  return __ldcg(a.seq_begin + s + 1) - __ldcg(a.seq_begin + s) >= a.skip_min_new;
 }
 
 template <KvKind K>
@@ -47,18 +51,19 @@ __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename
 // dims read all splits' partials in an unrolled loop -- so the merge costs two memory round trips rather
 // than one per split (it runs in the last split block, on the decode step's critical path).
 constexpr int kMaxSplits = 64;
+// S splits (0 .. S - 1) of the a.n_splits slots per (token, head) hold partials.
 __device__ void combine_splits(int64_t th, const float* __restrict__ ml, const float* __restrict__ po,
-                               const AttnShape& a, float* __restrict__ out) {
+                               const AttnShape& a, int S, float* __restrict__ out) {
   __shared__ float weight[kMaxSplits];  // exp(m_s - m) / l per split (0 for an empty split)
-  const int h = static_cast<int>(th % a.n_heads), S = a.n_splits, hd = a.head_dim;
+  const int h = static_cast<int>(th % a.n_heads), stride = a.n_splits, hd = a.head_dim;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float ms[2], ls[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int sp = lane + 32 * j;
-      ms[j] = sp < S ? __ldcg(ml + 2 * (th * S + sp)) : -INFINITY;
-      ls[j] = sp < S ? __ldcg(ml + 2 * (th * S + sp) + 1) : 0.0f;
+      ms[j] = sp < S ? __ldcg(ml + 2 * (th * stride + sp)) : -INFINITY;
+      ls[j] = sp < S ? __ldcg(ml + 2 * (th * stride + sp) + 1) : 0.0f;
     }
     const float sink = a.sinks ? a.sinks[h] : -INFINITY;
     const float m = fmaxf(warp_max(fmaxf(ms[0], ms[1])), sink);
@@ -74,9 +79,61 @@ __device__ void combine_splits(int64_t th, const float* __restrict__ ml, const f
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
 #pragma unroll 8
-    for (int sp = 0; sp < S; ++sp) acc += __ldcg(po + (th * S + sp) * hd + d) * weight[sp];
+    for (int sp = 0; sp < S; ++sp) acc += __ldcg(po + (th * stride + sp) * hd + d) * weight[sp];
     out[th * hd + d] = acc;
   }
+}
+
+// Each of a block's W warps' online-softmax state after its keys: max, sum and unnormalized output over the
+// head's dims; w the warps' factors to a common max (finish_split).
+template <int W>
+struct WarpParts {
+  float m[W], l[W], o[W][kMaxHeadDim], w[W];
+};
+
+// After the block's warps filled `parts` (and a barrier): the split's partial -- the warps merged to one
+// (max, sum, out) -- goes to ml / po, and with arrivals the last of the n_live splits of (token, head) to
+// finish merges them all. A split that is the only one writes the final output itself (the sink joins the
+// max and the denominator here): no partial, fence or arrival. sink: a.sinks[h] (loaded early by the
+// caller) or -inf.
+template <int W>
+__device__ void finish_split(WarpParts<W>& parts, int64_t t, int h, int split, int n_live, float sink,
+                             const AttnShape& a, float* __restrict__ ml, float* __restrict__ po,
+                             float* __restrict__ attn_out) {
+  const int hd = a.head_dim;
+  const int64_t th = t * a.n_heads + h;
+  const bool direct = n_live == 1 && a.arrivals;
+  float bm = -INFINITY;
+  for (int w = 0; w < W; ++w) bm = fmaxf(bm, parts.m[w]);
+  if (direct) bm = fmaxf(bm, sink);
+  if (threadIdx.x < W) parts.w[threadIdx.x] = parts.m[threadIdx.x] == -INFINITY ? 0.0f : expf(parts.m[threadIdx.x] - bm);
+  __syncthreads();
+  float bl = direct && a.sinks ? expf(sink - bm) : 0.0f;  // the sink only adds to the denominator
+  for (int w = 0; w < W; ++w) bl += parts.l[w] * parts.w[w];
+  const int64_t out = th * a.n_splits + split;
+  for (int d = threadIdx.x; d < hd; d += W * 32) {
+    float acc = 0.0f;
+    for (int w = 0; w < W; ++w) acc += parts.o[w][d] * parts.w[w];
+    if (direct)
+      attn_out[th * hd + d] = acc / bl;
+    else
+      po[out * hd + d] = acc;
+  }
+  if (direct) return;
+  if (threadIdx.x == 0) ml[2 * out] = bm, ml[2 * out + 1] = bl;
+  if (!a.arrivals) return;  // attention_combine_kernel follows
+  // The last split of (token, head) to finish merges them all (its count reset for the next launch).
+  __shared__ bool last;
+  __threadfence();  // this block's partial is visible device-wide before it counts
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(&a.arrivals[th], 1u) == static_cast<unsigned>(n_live) - 1;
+    if (last) a.arrivals[th] = 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_splits(th, ml, po, a, n_live, attn_out);
 }
 
 // Partials: ml [n_tokens, n_heads, n_splits, 2] (max, sum); po [n_tokens, n_heads, n_splits, head_dim].
@@ -135,40 +192,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
     m = m_new;
   }
   // Merge the warps of the block.
-  __shared__ float sm[kWarps], sl[kWarps], so[kWarps][kMaxHeadDim];
-  if (lane == 0) sm[warp] = m, sl[warp] = l;
+  __shared__ WarpParts<kWarps> parts;
+  if (lane == 0) parts.m[warp] = m, parts.l[warp] = l;
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i)
-    if (lane + 32 * i < hd) so[warp][lane + 32 * i] = o[i];
+    if (lane + 32 * i < hd) parts.o[warp][lane + 32 * i] = o[i];
   __syncthreads();
-  float bm = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) bm = fmaxf(bm, sm[w]);
-  const int64_t out = (t * a.n_heads + h) * a.n_splits + split;
-  if (threadIdx.x == 0) {
-    float bl = 0.0f;
-    for (int w = 0; w < kWarps; ++w) bl += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - bm);
-    ml[2 * out] = bm;
-    ml[2 * out + 1] = bl;
-  }
-  for (int d = threadIdx.x; d < hd; d += kThreads) {
-    float acc = 0.0f;
-    for (int w = 0; w < kWarps; ++w) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - bm);
-    po[out * hd + d] = acc;
-  }
-  if (!a.arrivals) return;  // attention_combine_kernel follows
-  // The last split of (token, head) to finish merges them all (its count reset for the next launch).
-  __shared__ bool last;
-  __threadfence();  // this block's partial is visible device-wide before it counts
-  __syncthreads();
-  const int64_t th = t * a.n_heads + h;
-  if (threadIdx.x == 0) {
-    last = atomicAdd(&a.arrivals[th], 1u) == static_cast<unsigned>(a.n_splits) - 1;
-    if (last) a.arrivals[th] = 0u;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  combine_splits(th, ml, po, a, attn_out);
+  finish_split(parts, t, h, split, a.n_splits, a.sinks ? a.sinks[h] : -INFINITY, a, ml, po, attn_out);
 }
 
 __global__ void attention_combine_kernel(const float* __restrict__ ml, const float* __restrict__ po, DevBatch b,
@@ -176,7 +206,141 @@ __global__ void attention_combine_kernel(const float* __restrict__ ml, const flo
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t th = blockIdx.x;  // token * n_heads + head
   if (skipped(b, a, th / a.n_heads)) return;
-  combine_splits(th, ml, po, a, out);
+  combine_splits(th, ml, po, a, a.n_splits, out);
+}
+
+// ---- Decode attention with the lanes over keys (head_dim 64 or 128, the one-launch path) ----
+// The kernel above walks a warp's keys one after another: one dependent round trip per key (page entry
+// and K/V loads, then a warp sum), and its last split block merges the others (fence, arrival, two more
+// round trips), which at decode is most of the layer's attention time (H200, tg128: ~7.9 us per layer at
+// contexts <= 130) and grows by a round trip per key at long contexts. Here four lanes take a key (each a
+// quarter of its K row), a warp 8 keys at once and a block of 16 warps 128: page entries, K rows and --
+// lanes over dims, the slots broadcast by shuffles -- the V rows load together, one round trip per 8 keys
+// of a warp. A split covers at least kSplitKeys keys, so that contexts up to that take one split, whose
+// block writes the final output itself (finish_split); longer ones use as many of the n_splits slots as
+// they fill, decided per (token, head) in the kernel so that a captured decode graph stays right as the
+// context grows. The blocks of the other slots see that before waiting for the previous kernel, and exit.
+constexpr int kKeyWarps = 16, kKeyLanes = 4, kWarpKeys = 32 / kKeyLanes;
+constexpr int kSplitKeys = kKeyWarps * kWarpKeys;
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Elems {
+  T e[N];
+};
+// Element i of cache elements held as 16-byte words (i a compile-time constant once unrolled).
+__device__ __forceinline__ uint32_t word_of(const uint4& w, int c) {
+  return c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
+}
+template <KvKind K>
+__device__ __forceinline__ float word_elem(const uint4* w, int i) {
+  if constexpr (K == KvKind::kF32) {
+    return __uint_as_float(word_of(w[i / 4], i % 4));
+  } else if constexpr (K == KvKind::kBF16) {
+    const uint32_t x = word_of(w[i / 8], (i % 8) / 2);
+    return __uint_as_float(i % 2 ? x & 0xffff0000u : x << 16);
+  } else {
+    return KvElem<K>::dec(static_cast<uint8_t>(word_of(w[i / 16], (i % 16) / 4) >> (8 * (i % 4))));
+  }
+}
+
+template <KvKind K, int HD>
+__global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const float* __restrict__ q,
+                                                                        const typename KvElem<K>::T* __restrict__ kc,
+                                                                        const typename KvElem<K>::T* __restrict__ vc,
+                                                                        DevBatch b, AttnShape a, float* __restrict__ ml,
+                                                                        float* __restrict__ po,
+                                                                        float* __restrict__ attn_out) {
+  using E = KvElem<K>;
+  using T = typename E::T;
+  constexpr int kDims = HD / 32;                                 // V dims per lane
+  constexpr int kKDims = HD / kKeyLanes;                         // K dims per lane
+  constexpr int kKWords = kKDims * static_cast<int>(sizeof(T)) / 16;  // ... in 16-byte words
+  static_assert(kKWords >= 1 && kKDims * sizeof(T) % 16 == 0);
+  // Before the wait: the batch metadata (uploaded before the step's first kernel; through L2, see pdl_wait)
+  // says which splits have keys, and the others exit at once -- at short contexts nearly all of the grid.
+  const int h = blockIdx.x, split = blockIdx.z;
+  const int64_t t = blockIdx.y;
+  if (skipped(b, a, t)) return;
+  const int pos = __ldcg(b.positions + t);
+  const int first = a.window > 0 ? max(0, pos - a.window + 1) : 0;
+  const int len = pos - first + 1, per = max(kSplitKeys, (len + a.n_splits - 1) / a.n_splits);
+  const int n_live = (len + per - 1) / per;
+  if (split >= n_live) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, key = lane / kKeyLanes, part = lane % kKeyLanes;
+  const int kvh = h / (a.n_heads / a.n_kv_heads), row = a.n_kv_heads * HD;
+  const int begin = first + split * per, end = min(pos + 1, begin + per);
+  const int32_t* table = b.tables + __ldcg(b.seq_of + t) * b.table_stride;
+  auto slot_of = [&](int c) {  // the cache slot of the lane's key in the chunk from c (0 past the end)
+    const int kp = c + key;
+    return kp < end ? __ldcg(table + kp / kKvBlock) * kKvBlock + kp % kKvBlock : 0;
+  };
+  int next_slot = slot_of(begin + kWarpKeys * warp);
+  const float sink = a.sinks ? a.sinks[h] : -INFINITY;  // (a weight)
+  pdl_wait();  // q and the newest key and value come from the previous kernels
+  __shared__ __align__(16) float qs[HD];
+  if (threadIdx.x < HD) qs[threadIdx.x] = q[(t * a.n_heads + h) * HD + threadIdx.x] * a.scale;
+  __syncthreads();
+
+  float m = -INFINITY, l = 0.0f, o[kDims] = {};
+  for (int c = begin + kWarpKeys * warp; c < end; c += kSplitKeys) {
+    const int n = min(kWarpKeys, end - c);  // keys c .. c + n - 1; lanes 4j .. 4j + 3 hold key c + j
+    const bool live = key < n;
+    const int slot = next_slot;
+    if (c + kSplitKeys < end) next_slot = slot_of(c + kSplitKeys);
+    uint4 kr[kKWords];
+    if (live) {
+      const uint4* src = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(slot) * row + kvh * HD + part * kKDims);
+#pragma unroll
+      for (int w = 0; w < kKWords; ++w) kr[w] = src[w];
+    }
+    Elems<T, kDims> vr[kWarpKeys];
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j) {
+      const int sj = __shfl_sync(0xffffffffu, slot, j * kKeyLanes);
+      if (j < n) vr[j] = *reinterpret_cast<const Elems<T, kDims>*>(vc + static_cast<int64_t>(sj) * row + kvh * HD + lane * kDims);
+    }
+    float s = 0.0f;
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < kKDims; i += 4) {
+        const float4 qq = *reinterpret_cast<const float4*>(qs + part * kKDims + i);
+        s += qq.x * word_elem<K>(kr, i) + qq.y * word_elem<K>(kr, i + 1) + qq.z * word_elem<K>(kr, i + 2) +
+             qq.w * word_elem<K>(kr, i + 3);
+      }
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);  // the key's four quarters
+    if (!live) s = -INFINITY;
+    const float m_new = fmaxf(m, warp_max(s)), corr = expf(m - m_new);
+    const float p = live ? expf(s - m_new) : 0.0f;
+    l = l * corr + warp_sum(part == 0 ? p : 0.0f);
+#pragma unroll
+    for (int e = 0; e < kDims; ++e) o[e] *= corr;
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, p, j * kKeyLanes);
+      if (j < n) {
+#pragma unroll
+        for (int e = 0; e < kDims; ++e) o[e] += pj * E::dec(vr[j].e[e]);
+      }
+    }
+    m = m_new;
+  }
+  __shared__ WarpParts<kKeyWarps> parts;
+  if (lane == 0) parts.m[warp] = m, parts.l[warp] = l;
+#pragma unroll
+  for (int e = 0; e < kDims; ++e) parts.o[warp][lane * kDims + e] = o[e];
+  __syncthreads();
+  finish_split(parts, t, h, split, n_live, sink, a, ml, po, attn_out);
+}
+
+// NIBBLE_ATTN_KEYS=0 keeps decode on the key-by-key kernel (a measurement knob).
+bool keys_kernel_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("NIBBLE_ATTN_KEYS");
+    return !(e && e[0] == '0');
+  }();
+  return on;
 }
 
 template <KvKind K>
@@ -185,7 +349,14 @@ void attention_for(const float* q, const void* kc, const void* vc, const DevBatc
   using T = typename KvElem<K>::T;
   float* ml = ws;
   float* po = ws + b.n_tokens * a.n_heads * a.n_splits * 2;
-  launch_pdl(attention_kernel<K>, dim3(a.n_heads, b.n_tokens, a.n_splits), kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po, out);
+  const dim3 grid(a.n_heads, b.n_tokens, a.n_splits);
+  if (a.arrivals && keys_kernel_enabled() && (a.head_dim == 64 || a.head_dim == 128)) {
+    auto kernel = a.head_dim == 64 ? attention_keys_kernel<K, 64> : attention_keys_kernel<K, 128>;
+    launch_pdl(kernel, grid, kKeyWarps * 32, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po, out);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  launch_pdl(attention_kernel<K>, grid, kThreads, 0, s, q, static_cast<const T*>(kc), static_cast<const T*>(vc), b, a, ml, po, out);
   CUDA_CHECK(cudaGetLastError());
   if (a.arrivals) return;  // the splits combined themselves
   launch_pdl(attention_combine_kernel, b.n_tokens * a.n_heads, 64, 0, s, ml, po, b, a, out);

@@ -320,11 +320,13 @@ TEST_F(CudaOps, EmbeddingNormRopeElementwise) {
 }
 
 // Two sequences over scrambled blocks, long enough to split the context; sinks and a sliding window.
+// head_dim 64 and 128 take the lanes-over-keys decode kernel when the splits merge in one launch, others
+// (80) the key-by-key one.
 void run_attention(CudaOps* t, CpuBackend& cpu, CudaBackend& gpu, int window, bool sinks, float tol,
                    const std::function<Tensor(const std::vector<float>&, std::vector<int64_t>)>& cpu_t,
-                   const std::function<Tensor(const std::vector<float>&, std::vector<int64_t>)>& gpu_t) {
+                   const std::function<Tensor(const std::vector<float>&, std::vector<int64_t>)>& gpu_t, int hd = 64) {
   (void)t;
-  const int nh = 8, nkv = 2, hd = 64, n_blocks = 80;
+  const int nh = 8, nkv = 2, n_blocks = 80;
   BatchInfo b;
   // Sequence 0: 700 new tokens at positions 0..699 written first (prefill), then attention on all of them
   // is too slow on the CPU; instead seq 0 decodes 2 tokens after 698 cached, seq 1 prefills 37.
@@ -353,7 +355,7 @@ void run_attention(CudaOps* t, CpuBackend& cpu, CudaBackend& gpu, int window, bo
   const std::vector<float> got = gpu.to_host(gpu.attention(gpu_t(q, {T, nh, hd}), *gc, 0, b, gp));
   CudaOps::expect_close(want, got, {tol},
                         "attention window " + std::to_string(window) + (sinks ? " sinks" : "") + " kv " +
-                            std::string(dtype_name(gc->k[0].dtype)));
+                            std::string(dtype_name(gc->k[0].dtype)) + " head_dim " + std::to_string(hd));
 }
 
 // The split-context kernel (kernels/attention.cu) alone: the 37-token prefill would otherwise take the
@@ -371,8 +373,9 @@ TEST_F(CudaOps, Attention) {
       return (*g)->upload(TensorView{v.data(), DType::kF32, std::move(s)});
     };
     if (dt == DType::kF32) {  // exact fp32: summation order only
-      for (int window : {0, 128})
-        for (bool sinks : {false, true}) run_attention(this, cpu_, **g, window, sinks, 2e-5f, ct, gt2);
+      for (int hd : {64, 128, 80})
+        for (int window : {0, 128})
+          for (bool sinks : {false, true}) run_attention(this, cpu_, **g, window, sinks, 2e-5f, ct, gt2, hd);
       // The splits merged by a second kernel instead of their last block.
       o.decode_fusion = false;
       auto g2 = CudaBackend::create(o);
@@ -384,7 +387,8 @@ TEST_F(CudaOps, Attention) {
       continue;
     }
     // Rounded caches: outputs are convex combinations of V (|v| ~ 1..4), logits shift by ~|q||k| * rounding.
-    run_attention(this, cpu_, **g, 128, true, dt == DType::kBF16 ? 0.05f : 0.6f, ct, gt2);
+    for (int hd : {64, 128})
+      for (int window : {0, 128}) run_attention(this, cpu_, **g, window, true, dt == DType::kBF16 ? 0.05f : 0.6f, ct, gt2, hd);
   }
 }
 

@@ -171,6 +171,8 @@ E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"
     (["--dense-formats", "mxfp4,fp6"], ["--dense-formats", "'fp6'"]),
     (["--dense-formats", "mxfp4,"], ["--dense-formats", "''"]),
     (["--gemm-acts", "hilo"], ["--gemm-acts hilo", "fp16 or hi-lo"]),
+    (["--depth", "4k"], ["--depth 4k", "token count"]),
+    (["--depth", "-1"], ["--depth -1", "token count"]),
 ])
 def test_e2e_bench_rejects_bad_arguments(args, needles):
     """The end-to-end benchmark checks its arguments before touching a GPU: one line, exit 2."""
