@@ -1,5 +1,5 @@
 // Kernel benchmark: every decode projection of gpt-oss-20b and gpt-oss-120b at batch 1 (QKV, O, router,
-// expert FC1 and FC2 for 4 selected experts, lm_head) in every weight format, through the CudaBackend
+// expert FC1 and FC2 for 4 selected experts with their biases, lm_head) in every weight format, through the CudaBackend
 // ops the model uses. Prints time, achieved GB/s and % of the read bandwidth measured in the same run.
 // Each timing replays a CUDA graph of many calls (no host overhead in the number) and rotates over
 // enough weight copies / expert sets that the working set exceeds the L2 cache three times.
@@ -141,6 +141,10 @@ int run(bool quick) {
         ex.fc1.push_back(gpu.random_weight(f, 2 * d_ff, d, 0.02f, seed++, "fc1"));
         ex.fc2.push_back(gpu.random_weight(f, d, d_ff, 0.02f, seed++, "fc2"));
       }
+      // Biases, as gpt-oss has (their loads are part of each unit's epilogue).
+      const std::vector<float> bias1(static_cast<size_t>(m.n_experts) * 2 * d_ff, 0.01f), bias2(static_cast<size_t>(m.n_experts) * d, 0.01f);
+      ex.fc1_bias = gpu.upload(TensorView{bias1.data(), DType::kF32, {m.n_experts, 2 * d_ff}});
+      ex.fc2_bias = gpu.upload(TensorView{bias2.data(), DType::kF32, {m.n_experts, d}});
       const int n_sets = m.n_experts / kTopK;
       std::vector<Routes> routes;
       for (int s = 0; s < n_sets; ++s) {

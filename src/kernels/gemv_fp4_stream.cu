@@ -339,7 +339,12 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
     const Unit un = op.next(u);
     const bool more = un.p < op.n_pairs;
-    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);  // (op.rows: clamped rows)
+    // Op::kLoadAlways: past the last unit the current one again (its lines are in L1/L2), no branch. In the
+    // MoE FC1 kernel under `if (more)` ptxas loaded into fresh registers and copied them into the buffer
+    // after the branch, so the warp waited for the next unit's scale bytes before computing this one (ncu:
+    // ~10 % of the stall samples on those copies, ninth session); in the others that cost more than it saved.
+    const Unit ld = Op::kLoadAlways && !more ? u : un;
+    if (Op::kLoadAlways || more) load_unit<K, NC>(op.rows(ld), k, next), epi_next = op.epilogue(ld);
     uint32_t s0[NC], s1[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) s0[c] = now[c].s0, s1[c] = now[c].s1;
@@ -369,6 +374,7 @@ __device__ __forceinline__ float post(const DevPart& p) {
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
 template <WKind K>
 struct LinearOp {
+  static constexpr bool kLoadAlways = false;  // (walk)
   const DevWeight& w;
   const float* bias;
   float* y;
@@ -432,18 +438,21 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 struct RowMap {
   const uint8_t* codes;
   const uint8_t* scales;
+  const float* bias;          // the rows' biases (bias + r * step), or null
   int code_step, scale_step;  // bytes
+  int step;                   // rows
   float post;                 // per output factor (post<K>)
 };
-// Rows first, first + step, ... of w.
+// Rows first, first + step, ... of w, with the biases of w's rows at `bias` (or null).
 template <WKind K>
-__device__ RowMap row_map(const DevWeight& w, int first, int step) {
+__device__ RowMap row_map(const DevWeight& w, int first, int step, const float* bias) {
   int r = first;
   const DevPart& p = find_part(w, r);
   const int code_bytes = w.k / 2, scale_bytes = w.k / Fmt<K>::kBs;
   return RowMap{p.data + static_cast<int64_t>(r) * code_bytes, p.scales + static_cast<int64_t>(r) * scale_bytes,
-                step * code_bytes, step * scale_bytes, post<K>(p)};
+                bias ? bias + first : nullptr, step * code_bytes, step * scale_bytes, step, post<K>(p)};
 }
+__device__ __forceinline__ float map_bias(const RowMap& m, int r) { return m.bias ? __ldg(m.bias + r * m.step) : 0.0f; }
 __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& b, int rb, int lane_scale_bytes) {
   const int lane = threadIdx.x & 31;
   Rows r;
@@ -455,24 +464,24 @@ __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& 
 }
 
 // The routed experts of the one token: thread i < top_k maps choice i's rows (FC1: gate and up, FC2: one
-// map) into shared memory, with its id and, for FC2, routing weight. Ends with a block barrier.
+// map) and their biases (`bias`: the table's, [n_experts, rows of one expert], or null) into shared memory,
+// and for FC2 its routing weight. Ends with a block barrier.
 template <WKind K>
-__device__ void map_experts(const DevWeight* table, const int32_t* ids, const float* weights, int top_k,
-                            bool fc1, bool interleaved, int d_expert, RowMap (*maps)[kMaxRows], int* s_ids,
-                            float* s_weights) {
+__device__ void map_experts(const DevWeight* table, const float* bias, const int32_t* ids, const float* weights,
+                            int top_k, bool fc1, bool interleaved, int d_expert, RowMap (*maps)[kMaxRows], float* s_weights) {
   if (threadIdx.x < top_k) {
     const int i = threadIdx.x, id = __ldcg(ids + i);  // (through L2: FC2 reads it before its wait, see pdl_wait)
     const DevWeight& w = table[id];
+    const float* b = bias ? bias + static_cast<int64_t>(id) * w.n : nullptr;
     if (!fc1) {
-      maps[0][i] = row_map<K>(w, 0, 1);
+      maps[0][i] = row_map<K>(w, 0, 1, b);
     } else if (interleaved) {  // gate row 2j, up row 2j + 1
-      maps[0][i] = row_map<K>(w, 0, 2);
-      maps[1][i] = row_map<K>(w, 1, 2);
+      maps[0][i] = row_map<K>(w, 0, 2, b);
+      maps[1][i] = row_map<K>(w, 1, 2, b);
     } else {  // gate row j, up row d + j
-      maps[0][i] = row_map<K>(w, 0, 1);
-      maps[1][i] = row_map<K>(w, d_expert, 1);
+      maps[0][i] = row_map<K>(w, 0, 1, b);
+      maps[1][i] = row_map<K>(w, d_expert, 1, b);
     }
-    s_ids[i] = id;
     if (weights) s_weights[i] = __ldcg(weights + i);
   }
   __syncthreads();
@@ -481,9 +490,9 @@ __device__ void map_experts(const DevWeight* table, const int32_t* ids, const fl
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 template <WKind K>
 struct Fc1Op {
+  static constexpr bool kLoadAlways = true;  // (walk)
   const RowMap (*maps)[kMaxRows];  // [gate, up][top_k] in shared memory
   const ExpertTable& tab;
-  const int* ids;  // [top_k] in shared memory
   Glu kind;
   float limit, unscale;
   float* act;
@@ -498,11 +507,7 @@ struct Fc1Op {
     return map_rows(maps[0][u.i], u.j, maps[1][u.i], u.j, 32 / Fmt<K>::kBs);
   }
   __device__ float2 epilogue(Unit u) const {  // the gate and up biases
-    if (!tab.fc1_bias) return make_float2(0.0f, 0.0f);
-    const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
-    const int ga = inter ? 2 * u.j : u.j, gb = inter ? 2 * u.j + 1 : tab.d_expert + u.j;
-    const float* b = tab.fc1_bias + static_cast<int64_t>(ids[u.i]) * 2 * tab.d_expert;
-    return make_float2(__ldg(b + ga), __ldg(b + gb));
+    return make_float2(map_bias(maps[0][u.i], u.j), map_bias(maps[1][u.i], u.j));
   }
   __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
     if ((threadIdx.x & 31) != 0) return;
@@ -520,16 +525,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
   __shared__ RowMap maps[2][kMaxRows];
-  __shared__ int s_ids[kMaxRows];
   stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
   pdl_wait_then_launch();  // ids and x come from the previous kernels; FC2 launches after this (its contract)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
-  map_experts<K>(tab.fc1, ids, nullptr, top_k, true, inter, tab.d_expert, maps, s_ids, nullptr);
+  map_experts<K>(tab.fc1, tab.fc1_bias, ids, nullptr, top_k, true, inter, tab.d_expert, maps, nullptr);
   constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
-  Fc1Op<K> op{maps, tab, s_ids, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
+  Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, p0 / d, p0 % d};
   Item cur[NC];
@@ -552,9 +556,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // is padded to whole rounds, and padding pairs load clamped rows and write nothing.
 template <WKind K>
 struct Fc2Op {
-  const RowMap* maps;  // [top_k] in shared memory, as are ids, weights and unscale
+  static constexpr bool kLoadAlways = false;  // (walk)
+  const RowMap* maps;  // [top_k] in shared memory, as are weights and unscale
   const ExpertTable& tab;
-  const int* ids;
   const float* weights;
   const float* unscale;
   float (*part)[kWarps][2];  // [2 rounds in turn][warp][row] in shared memory
@@ -568,10 +572,8 @@ struct Fc2Op {
     return map_rows(m, 2 * p, m, min(2 * p + 1, tab.d_model - 1), 32 / Fmt<K>::kBs);
   }
   __device__ float2 epilogue(Unit u) const {  // the choice's biases of rows 2p, 2p + 1
-    if (!tab.fc2_bias) return make_float2(0.0f, 0.0f);
     const int p = min(u.p, real_pairs - 1);
-    const float* b = tab.fc2_bias + static_cast<int64_t>(ids[choice]) * tab.d_model;
-    return make_float2(__ldg(b + 2 * p), __ldg(b + min(2 * p + 1, tab.d_model - 1)));
+    return make_float2(map_bias(maps[choice], 2 * p), map_bias(maps[choice], min(2 * p + 1, tab.d_model - 1)));
   }
   __device__ void finish(Unit u, float v0, float v1, float2 b) {  // every warp of the block, every round
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, q = lane >> 4, r = 2 * u.p + q;
@@ -598,20 +600,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
   __shared__ RowMap maps[1][kMaxRows];
-  __shared__ int s_ids[kMaxRows];
   __shared__ float s_weights[kMaxRows];
   __shared__ float part[2][kWarps][2];
   stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
   const int warp = threadIdx.x >> 5, groups = (blockDim.x >> 5) / top_k, stride = gridDim.x * groups;
   const int real_pairs = (tab.d_model + 1) / 2;
-  Fc2Op<K> op{maps[0], tab, s_ids, s_weights, ss.unscale, part, y, rounds * stride, stride, real_pairs, top_k, warp % top_k};
+  Fc2Op<K> op{maps[0], tab, s_weights, ss.unscale, part, y, rounds * stride, stride, real_pairs, top_k, warp % top_k};
   const int p0 = static_cast<int>(blockIdx.x) * groups + warp / top_k;
   const Unit first{p0, 0, p0};
   Item cur[NC];
   // ids and weights were complete when the previous kernel (FC1) passed its wait (launch_moe_fc2's
   // contract), and FC1 let this kernel launch only after that wait (pdl_wait_then_launch), so they, the
   // experts' descriptors and the first unit's weights are read before ours: only act comes from FC1.
-  map_experts<K>(tab.fc2, ids, weights, top_k, false, false, tab.d_expert, maps, s_ids, s_weights);
+  map_experts<K>(tab.fc2, tab.fc2_bias, ids, weights, top_k, false, false, tab.d_expert, maps, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   pdl_wait();  // act comes from the previous kernel
   Held h;
