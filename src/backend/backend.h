@@ -190,6 +190,9 @@ class Backend {
   virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up
   virtual void add(Tensor& x, const Tensor& y) = 0;                                   // in place: x += y
   virtual Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) = 0;  // [rows, ..]
+  // A hint that w is read soon (by an op a few ops later): a backend may start moving its bytes closer (the
+  // CUDA backend: into the L2 cache, while the ops in between leave DRAM idle). No effect on any result.
+  virtual void prefetch(const Weight& /*w*/) {}
   // One token id per row of logits [rows, vocab] under specs[row] (see SampleSpec); only the ids reach
   // the host.
   virtual std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) = 0;

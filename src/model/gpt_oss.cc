@@ -57,6 +57,7 @@ class GptOss final : public Model {
       // The previous block's output joins the residual stream inside the norm (the embedding starts it).
       Tensor h = l == 0 ? be.rms_norm(x, L.attn.norm, c.rms_norm_eps) : be.add_rms_norm(x, y, L.attn.norm, c.rms_norm_eps);
       Tensor qkv = be.linear(h, L.attn.qkv, optional(L.attn.qkv_bias));  // [T, (nh + 2 nkv) * hd]
+      if (T == 1) be.prefetch(L.attn.o);  // decode: RoPE and attention leave DRAM idle
       const QkvParams qp{static_cast<int>(nh), static_cast<int>(nkv), static_cast<int>(hd), nullptr, nullptr,
                          c.rms_norm_eps, &rope_};
       Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
@@ -66,6 +67,8 @@ class GptOss final : public Model {
       NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, &L.router_bias, c.top_k,
                                            RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
       y = be.moe_experts(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit});
+      // Decode: the next QKV projection's weights stream into L2 alongside FC2, which leaves DRAM half idle.
+      if (T == 1 && l + 1 < c.n_layers) be.prefetch(layers_[l + 1].attn.qkv);
     }
     x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
     x = be.gather_rows(x, b.logit_rows);

@@ -21,6 +21,7 @@
 #include "kernels/moe.cuh"
 #include "kernels/moe_gemm.cuh"
 #include "kernels/norm_rope.cuh"
+#include "kernels/prefetch.cuh"
 #include "kernels/qkv_rope.cuh"
 #include "kernels/quant.cuh"
 #include "kernels/sample.cuh"
@@ -492,6 +493,18 @@ Tensor CudaBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, fl
   cuda::launch_rms_norm(x.data<float>(), y.data<float>(), w.data<float>(), x.numel() / d, static_cast<int>(d), eps,
                         out.data<float>(), impl_->stream);
   return out;
+}
+
+void CudaBackend::prefetch(const Weight& w) {
+  if (!impl_->options.l2_prefetch || w.empty()) return;
+  cuda::PrefetchRanges r;
+  auto add = [&](const TensorView& v, const std::string& name) {
+    const uint8_t* p = impl_->dev_ptr(v, name);
+    if (!p || r.n == cuda::kMaxPrefetchRanges) return;
+    r.begin[r.n] = p, r.bytes[r.n] = static_cast<uint32_t>(std::min<int64_t>(v.nbytes(), INT32_MAX)), ++r.n;
+  };
+  for (const WeightPart& part : w.parts) add(part.data, part.name), add(part.scales, part.name);
+  cuda::launch_l2_prefetch(r, impl_->stream);
 }
 
 Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias) {

@@ -44,6 +44,8 @@ struct CudaBackendOptions {
   // only): -1 where its 128 x 256 blocks fill the GPU, 0 never (the wgmma tile), 1 from 256 tokens on
   // (tests). NIBBLE_GEMM_WS=0|1.
   int gemm_ws = -1;
+  // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=0 makes it a no-op: a benchmark baseline).
+  bool l2_prefetch = true;
 };
 
 struct CudaLoadStats {
@@ -77,6 +79,7 @@ class CudaBackend final : public Backend, public WeightFactory {
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override;
   Tensor add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, float eps) override;
   Tensor linear(const Tensor& x, const Weight& w, const Tensor* bias) override;
+  void prefetch(const Weight& w) override;
   void rope(Tensor& x, const BatchInfo& b, const RopeTable& rope) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const BatchInfo& b) override;
   Tensor attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
