@@ -496,7 +496,8 @@ Tensor CudaBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, fl
 }
 
 void CudaBackend::prefetch(const Weight& w) {
-  if (!impl_->options.l2_prefetch || w.empty()) return;
+  // (A weight over a third of the L2 would evict what the ops in between use, and itself.)
+  if (!impl_->options.l2_prefetch || w.empty() || w.bytes() > static_cast<int64_t>(impl_->info.l2_bytes / 3)) return;
   cuda::PrefetchRanges r;
   auto add = [&](const TensorView& v, const std::string& name) {
     const uint8_t* p = impl_->dev_ptr(v, name);
