@@ -32,6 +32,19 @@ bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, con
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 
 // All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.
+// Where the rows of one expert's projection lie for the one-token kernels (kernels/gemv_fp4_stream.cu): row
+// r (FC1: output r's gate row, or its up row) at codes + r * code_step and scales + r * scale_step, its bias
+// at bias[r * step] (or none), and its per-output factor (NVFP4: 2^7 times the global scale). Built on the
+// host once per MoE layer (ExpertTable::rows) when the rows of each lie in one checkpoint part.
+struct RowMap {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const float* bias;          // or null
+  int code_step, scale_step;  // bytes
+  int step;                   // rows
+  float post;
+};
+
 struct ExpertTable {
   const DevWeight* fc1 = nullptr;  // [n_experts] of [2 d_expert, d_model]
   const DevWeight* fc2 = nullptr;  // [n_experts] of [d_model, d_expert]
@@ -43,6 +56,9 @@ struct ExpertTable {
   // FC1's gate rows and its up rows each lie in one checkpoint part (one fused tensor, or gate and up as
   // two parts of d_expert rows), FC2 is one part: the one-token kernels address rows with one stride.
   bool simple_rows = false;
+  // With simple_rows, per expert e: rows[3 e] its FC1 gate rows, rows[3 e + 1] its up rows, rows[3 e + 2]
+  // its FC2 rows (device memory): a routed expert's addressing is one load away from its id.
+  const RowMap* rows = nullptr;
 };
 
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch

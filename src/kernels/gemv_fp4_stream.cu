@@ -431,27 +431,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
 }
 
-// Where the rows of one routed expert's projection lie: row r (FC1: output r's gate row, or its up row)
-// at codes + r * code_step and scales + r * scale_step, so that a unit's addresses cost one multiply-add
-// each. The host guarantees that the gate rows and the up rows each lie in one checkpoint part
-// (ExpertTable::simple_rows).
-struct RowMap {
-  const uint8_t* codes;
-  const uint8_t* scales;
-  const float* bias;          // the rows' biases (bias + r * step), or null
-  int code_step, scale_step;  // bytes
-  int step;                   // rows
-  float post;                 // per output factor (post<K>)
-};
-// Rows first, first + step, ... of w, with the biases of w's rows at `bias` (or null).
-template <WKind K>
-__device__ RowMap row_map(const DevWeight& w, int first, int step, const float* bias) {
-  int r = first;
-  const DevPart& p = find_part(w, r);
-  const int code_bytes = w.k / 2, scale_bytes = w.k / Fmt<K>::kBs;
-  return RowMap{p.data + static_cast<int64_t>(r) * code_bytes, p.scales + static_cast<int64_t>(r) * scale_bytes,
-                bias ? bias + first : nullptr, step * code_bytes, step * scale_bytes, step, post<K>(p)};
-}
 __device__ __forceinline__ float map_bias(const RowMap& m, int r) { return m.bias ? __ldg(m.bias + r * m.step) : 0.0f; }
 __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& b, int rb, int lane_scale_bytes) {
   const int lane = threadIdx.x & 31;
@@ -463,24 +442,19 @@ __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& 
   return r;
 }
 
-// The routed experts of the one token: thread i < top_k maps choice i's rows (FC1: gate and up, FC2: one
-// map) and their biases (`bias`: the table's, [n_experts, rows of one expert], or null) into shared memory,
-// and for FC2 its routing weight. Ends with a block barrier.
-template <WKind K>
-__device__ void map_experts(const DevWeight* table, const float* bias, const int32_t* ids, const float* weights,
-                            int top_k, bool fc1, bool interleaved, int d_expert, RowMap (*maps)[kMaxRows], float* s_weights) {
+// The routed experts of the one token: thread i < top_k copies choice i's row maps (FC1: gate and up, FC2:
+// one; ExpertTable::rows, built on the host) into shared memory, and for FC2 its routing weight. Ends with
+// a block barrier.
+__device__ void map_experts(const ExpertTable& tab, const int32_t* ids, const float* weights, int top_k, bool fc1,
+                            RowMap (*maps)[kMaxRows], float* s_weights) {
   if (threadIdx.x < top_k) {
     const int i = threadIdx.x, id = __ldcg(ids + i);  // (through L2: FC2 reads it before its wait, see pdl_wait)
-    const DevWeight& w = table[id];
-    const float* b = bias ? bias + static_cast<int64_t>(id) * w.n : nullptr;
-    if (!fc1) {
-      maps[0][i] = row_map<K>(w, 0, 1, b);
-    } else if (interleaved) {  // gate row 2j, up row 2j + 1
-      maps[0][i] = row_map<K>(w, 0, 2, b);
-      maps[1][i] = row_map<K>(w, 1, 2, b);
-    } else {  // gate row j, up row d + j
-      maps[0][i] = row_map<K>(w, 0, 1, b);
-      maps[1][i] = row_map<K>(w, d_expert, 1, b);
+    const RowMap* m = tab.rows + 3 * static_cast<int64_t>(id);
+    if (fc1) {
+      maps[0][i] = m[0];
+      maps[1][i] = m[1];
+    } else {
+      maps[0][i] = m[2];
     }
     if (weights) s_weights[i] = __ldcg(weights + i);
   }
@@ -529,8 +503,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   pdl_wait_then_launch();  // ids and x come from the previous kernels; FC2 launches after this (its contract)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
-  const bool inter = kind == Glu::kSiluInterleaved || kind == Glu::kGptOssInterleaved;
-  map_experts<K>(tab.fc1, tab.fc1_bias, ids, nullptr, top_k, true, inter, tab.d_expert, maps, nullptr);
+  map_experts(tab, ids, nullptr, top_k, true, maps, nullptr);
   constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
   Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
@@ -612,7 +585,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // ids and weights were complete when the previous kernel (FC1) passed its wait (launch_moe_fc2's
   // contract), and FC1 let this kernel launch only after that wait (pdl_wait_then_launch), so they, the
   // experts' descriptors and the first unit's weights are read before ours: only act comes from FC1.
-  map_experts<K>(tab.fc2, tab.fc2_bias, ids, weights, top_k, false, false, tab.d_expert, maps, s_weights);
+  map_experts(tab, ids, weights, top_k, false, maps, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   pdl_wait();  // act comes from the previous kernel
   Held h;
@@ -745,7 +718,7 @@ void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
-  return enabled() && fp4(t.kind) && t.vec_ok && t.simple_rows && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
+  return enabled() && fp4(t.kind) && t.vec_ok && t.simple_rows && t.rows && shape_ok(k) && top_k >= 1 && top_k <= kMaxRows &&
          stage_bytes(top_k, k) <= kMaxSmem;
 }
 

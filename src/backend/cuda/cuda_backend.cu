@@ -110,7 +110,26 @@ struct Region {
 struct ExpertDev {
   cuda::ExpertTable table;
   Tensor fc1, fc2;      // the DevWeight arrays, device memory
+  Tensor rows;          // ExpertTable::rows, device memory (simple rows, FP4)
 };
+
+// Rows first, first + step, ... of the FP4 weight w (all in one part, the caller checked), with their
+// biases at bias + first + r * step (or none): see cuda::RowMap.
+cuda::RowMap row_map(const DevWeight& w, int first, int step, const float* bias) {
+  int p = 0;
+  while (p < w.n_parts - 1 && first >= w.part[p].rows) first -= w.part[p++].rows;
+  const cuda::DevPart& part = w.part[p];
+  const bool nv = w.kind == WKind::kNVFP4;
+  const int code_bytes = w.k / 2, scale_bytes = w.k / (nv ? 16 : 32);
+  cuda::RowMap m;
+  m.codes = part.data + static_cast<int64_t>(first) * code_bytes;
+  m.scales = part.scales + static_cast<int64_t>(first) * scale_bytes;
+  m.bias = bias;
+  m.code_step = step * code_bytes, m.scale_step = step * scale_bytes, m.step = step;
+  // NVFP4: the kernels fold ue4m3 * 2^7 into the weights (gemv_fp4_stream.cu, Fmt<kNVFP4>::kPost).
+  m.post = nv ? 128.0f * (part.divide ? 1.0f / part.global : part.global) : 1.0f;
+  return m;
+}
 
 // Token counts from which the tensor-core GEMMs beat the GEMV kernels (bench/gemm_bench.cu, crossover
 // table; H200, 2026-11-22): the GEMV path re-reads the weight for every 4 tokens (linear) or every
@@ -715,6 +734,24 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   t.d_model = static_cast<int>(ex.fc1[0].k);
   t.fc1_bias = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
   t.fc2_bias = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
+  if (simple && (t.kind == WKind::kMXFP4 || t.kind == WKind::kNVFP4)) {
+    // Each expert's gate, up and FC2 row maps: the one-token kernels copy a routed expert's three with one load.
+    const bool inter = ex.layout == GluLayout::kInterleaved;
+    const int dx = ex.d_expert, dm = t.d_model;
+    std::vector<cuda::RowMap> rows;
+    for (int e = 0; e < ex.n_experts; ++e) {
+      const float* b1 = t.fc1_bias ? t.fc1_bias + static_cast<int64_t>(e) * 2 * dx : nullptr;
+      const float* b2 = t.fc2_bias ? t.fc2_bias + static_cast<int64_t>(e) * dm : nullptr;
+      rows.push_back(row_map(fc1[e], 0, inter ? 2 : 1, b1));                                  // gate: 2j or j
+      rows.push_back(row_map(fc1[e], inter ? 1 : dx, inter ? 2 : 1, b1 ? b1 + (inter ? 1 : dx) : nullptr));  // up
+      rows.push_back(row_map(fc2[e], 0, 1, b2));
+    }
+    const int64_t rb = static_cast<int64_t>(sizeof(cuda::RowMap) * rows.size());
+    d.rows = make(DType::kU8, {rb});
+    CUDA_CHECK(cudaMemcpyAsync(d.rows.data<uint8_t>(), rows.data(), rb, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    t.rows = reinterpret_cast<const cuda::RowMap*>(d.rows.data<uint8_t>());
+  }
   return experts.emplace(key, std::move(d)).first->second;
 }
 
