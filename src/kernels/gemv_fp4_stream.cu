@@ -504,7 +504,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   map_experts(tab, ids, nullptr, top_k, true, maps, nullptr);
-  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
   Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
@@ -683,9 +683,10 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, boo
 template <WKind K>
 void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
          float* act, bool split, cudaStream_t s) {
-  // Every warp the same number of row-pair units: the grid sized so that the last round is (nearly) full,
-  // as fc2 does (gpt-oss-120b: 11520 pairs, 120 blocks x 16 warps x 6 rounds instead of 132 blocks and a
-  // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps one block per SM (measurement knob).
+  // Every warp the same number of row-pair units, on as many SMs as that allows: the fewest warps per block
+  // whose grid of (nearly) full rounds still fits one block per SM (gpt-oss: 11520 pairs, 128 blocks x 15
+  // warps x 6 rounds -- 90 units per SM; 16 warps took 120 blocks, 96 units per SM; 132 blocks x 16 left the
+  // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps 16 warps on every SM (measurement knob).
   static const bool even = [] {
     const char* e = std::getenv("NIBBLE_FC1_EVEN");
     return !(e && e[0] == '0');
@@ -694,8 +695,12 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
   const int n_pairs = top_k * t.d_expert;
   with_chunks(t.d_model, split, [&]<int NC, bool kSplit>() {
     auto kernel = stream_fc1_kernel<K, NC, kSplit>;
-    const int warps = device().warps, max_grid = grid_for(kernel, warps, smem, n_pairs);
-    const int grid = even ? ceil_div(n_pairs, ceil_div(n_pairs, max_grid * warps) * warps) : max_grid;
+    int warps = device().warps, grid = grid_for(kernel, warps, smem, n_pairs);
+    if (even) {
+      const int rounds = ceil_div(n_pairs, grid * warps), max_grid = grid;
+      for (int w = warps; w >= 1 && ceil_div(n_pairs, rounds * w) <= max_grid; --w)
+        warps = w, grid = ceil_div(n_pairs, rounds * w);
+    }
     launch_pdl(kernel, grid, warps * 32, smem, s, t, ids, top_k, x, glu, limit, act);
   });
   CUDA_CHECK(cudaGetLastError());
