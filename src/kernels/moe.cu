@@ -1,5 +1,5 @@
 // Routing kernels. route: one warp per token, the token's logits in shared memory; top-k by k rounds of
-// a warp argmax (ties to the lower id). Softmax statistics in fp32, as the references compute them.
+// a warp argmax (ties to the lower id; two redux.sync per round). Softmax statistics in fp32, as the references compute them.
 // norm_route (decode): the residual add, RMSNorm, the BF16 router projection and the same top-k in one
 // launch, so an MoE block's head is one kernel instead of three.
 #include "kernels/moe.cuh"
@@ -29,22 +29,25 @@ __device__ void route_warp(float* s, int n_experts, int top_k, bool softmax_firs
   __syncwarp();
   float w[kMaxTopK];
   int id[kMaxTopK];
+  // Floats as unsigned integers in the same order (-inf lowest), so that the warp's maximum is one redux.
+  auto ordered = [](float f) {
+    const uint32_t u = __float_as_uint(f);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+  };
+  auto unordered = [](uint32_t k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); };
   for (int i = 0; i < top_k; ++i) {
     float best = -INFINITY;
     int best_id = n_experts;
     for (int e = lane; e < n_experts; e += 32)
       if (s[e] > best) best = s[e], best_id = e;  // ascending e: the first maximum wins within a lane
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-      if (ob > best || (ob == best && oi < best_id)) best = ob, best_id = oi;
-    }
-    w[i] = best;
-    id[i] = best_id;
-    __syncwarp();
-    if (lane == 0) s[best_id] = -INFINITY;
-    __syncwarp();
+    // The warp's largest value, then the lowest id holding it: two redux.sync instead of five dependent
+    // shuffle pairs (this runs on the decode step's critical path, in norm_route's last block).
+    const uint32_t top = __reduce_max_sync(0xffffffffu, ordered(best));
+    const int who = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, ordered(best) == top ? static_cast<uint32_t>(best_id) : 0xffffffffu));
+    w[i] = unordered(top);
+    id[i] = who;
+    if (who < n_experts && lane == who % 32) s[who] = -INFINITY;  // (each lane scans only its own experts)
   }
   if (lane != 0) return;
   if (!softmax_first) {
