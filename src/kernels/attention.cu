@@ -10,7 +10,9 @@
 // round trip per 8 keys of a warp instead of one per key, and one split up to 128 keys.
 #include "kernels/attention.cuh"
 
+#include <climits>
 #include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/backend.h"
@@ -231,6 +233,27 @@ struct alignas(sizeof(T) * N) Elems {
 __device__ __forceinline__ uint32_t word_of(const uint4& w, int c) {
   return c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
 }
+// N elements of type T (2, 4, 8 or 16 bytes together, aligned so) as one load through L2.
+template <class T, int N>
+__device__ __forceinline__ Elems<T, N> load_elems(const T* p) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  Elems<T, N> r;
+  if constexpr (kBytes == 2) {
+    const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    memcpy(&r, &v, 2);
+  } else if constexpr (kBytes == 4) {
+    const unsigned v = __ldcg(reinterpret_cast<const unsigned*>(p));
+    memcpy(&r, &v, 4);
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
+    memcpy(&r, &v, 8);
+  } else {
+    static_assert(kBytes == 16);
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    memcpy(&r, &v, 16);
+  }
+  return r;
+}
 template <KvKind K>
 __device__ __forceinline__ float word_elem(const uint4* w, int i) {
   if constexpr (K == KvKind::kF32) {
@@ -274,31 +297,44 @@ __global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const fl
     const int kp = c + key;
     return kp < end ? __ldcg(table + kp / kKvBlock) * kKvBlock + kp % kKvBlock : 0;
   };
-  int next_slot = slot_of(begin + kWarpKeys * warp);
+  // A chunk's K quarters (lanes over keys) and V dims (lanes over dims) into kr / vr: keys c + j in [lo, hi)
+  // of those the chunk has, at the lanes' slots. Through L2: the first chunk may load before the wait.
+  uint4 kr[kKWords];
+  Elems<T, kDims> vr[kWarpKeys];
+  auto load_chunk = [&](int c, int slot, int lo, int hi) {
+    const int n = min(kWarpKeys, end - c);
+    if (key < n && c + key >= lo && c + key < hi) {
+      const uint4* src = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(slot) * row + kvh * HD + part * kKDims);
+#pragma unroll
+      for (int w = 0; w < kKWords; ++w) kr[w] = __ldcg(src + w);
+    }
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j) {
+      const int sj = __shfl_sync(0xffffffffu, slot, j * kKeyLanes);
+      if (j < n && c + j >= lo && c + j < hi)
+        vr[j] = load_elems<T, kDims>(vc + static_cast<int64_t>(sj) * row + kvh * HD + lane * kDims);
+    }
+  };
+  const int c0 = begin + kWarpKeys * warp;
+  int slot = slot_of(c0);
+  // One new token in the step (batch-1 decode): every key but the newest was cached by earlier steps, so
+  // the warp's first chunk loads before the wait and only the newest key (written by qkv_rope) after it.
+  const bool early = b.n_tokens == 1 && c0 < end;
+  if (early) load_chunk(c0, slot, INT_MIN, pos);
   const float sink = a.sinks ? a.sinks[h] : -INFINITY;  // (a weight)
   pdl_wait();  // q and the newest key and value come from the previous kernels
+  if (early) load_chunk(c0, slot, pos, pos + 1);
+  else if (c0 < end) load_chunk(c0, slot, INT_MIN, INT_MAX);
   __shared__ __align__(16) float qs[HD];
   if (threadIdx.x < HD) qs[threadIdx.x] = q[(t * a.n_heads + h) * HD + threadIdx.x] * a.scale;
   __syncthreads();
 
   float m = -INFINITY, l = 0.0f, o[kDims] = {};
-  for (int c = begin + kWarpKeys * warp; c < end; c += kSplitKeys) {
+  for (int c = c0; c < end; c += kSplitKeys) {
     const int n = min(kWarpKeys, end - c);  // keys c .. c + n - 1; lanes 4j .. 4j + 3 hold key c + j
     const bool live = key < n;
-    const int slot = next_slot;
-    if (c + kSplitKeys < end) next_slot = slot_of(c + kSplitKeys);
-    uint4 kr[kKWords];
-    if (live) {
-      const uint4* src = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(slot) * row + kvh * HD + part * kKDims);
-#pragma unroll
-      for (int w = 0; w < kKWords; ++w) kr[w] = src[w];
-    }
-    Elems<T, kDims> vr[kWarpKeys];
-#pragma unroll
-    for (int j = 0; j < kWarpKeys; ++j) {
-      const int sj = __shfl_sync(0xffffffffu, slot, j * kKeyLanes);
-      if (j < n) vr[j] = *reinterpret_cast<const Elems<T, kDims>*>(vc + static_cast<int64_t>(sj) * row + kvh * HD + lane * kDims);
-    }
+    const bool more = c + kSplitKeys < end;
+    const int next_slot = more ? slot_of(c + kSplitKeys) : 0;  // (its round trip under this chunk's math)
     float s = 0.0f;
     if (live) {
 #pragma unroll
@@ -325,6 +361,7 @@ __global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const fl
       }
     }
     m = m_new;
+    if (more) slot = next_slot, load_chunk(c + kSplitKeys, slot, INT_MIN, INT_MAX);
   }
   __shared__ WarpParts<kKeyWarps> parts;
   if (lane == 0) parts.m[warp] = m, parts.l[warp] = l;

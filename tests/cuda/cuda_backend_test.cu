@@ -356,6 +356,16 @@ void run_attention(CudaOps* t, CpuBackend& cpu, CudaBackend& gpu, int window, bo
   CudaOps::expect_close(want, got, {tol},
                         "attention window " + std::to_string(window) + (sinks ? " sinks" : "") + " kv " +
                             std::string(dtype_name(gc->k[0].dtype)) + " head_dim " + std::to_string(hd));
+  // A step of one token (batch-1 decode: the lanes-over-keys kernel loads the cached keys before its PDL
+  // wait then): sequence 0's last token again, alone.
+  BatchInfo one;
+  one.tokens = {0}, one.positions = {past0 + new0 - 1}, one.seq_of = {0};
+  one.seqs = {SeqInfo{0, 1, past0 + new0 - 1, t0}};
+  const std::vector<float> q1(q.begin() + (new0 - 1) * nh * hd, q.begin() + new0 * nh * hd);
+  const std::vector<float> want1 = cpu.to_host(cpu.attention(cpu_t(q1, {1, nh, hd}), *cc, 0, one, cp));
+  const std::vector<float> got1 = gpu.to_host(gpu.attention(gpu_t(q1, {1, nh, hd}), *gc, 0, one, gp));
+  CudaOps::expect_close(want1, got1, {tol}, "one-token attention window " + std::to_string(window) + " head_dim " +
+                                                std::to_string(hd));
 }
 
 // The split-context kernel (kernels/attention.cu) alone: the 37-token prefill would otherwise take the
