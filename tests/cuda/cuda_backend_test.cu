@@ -452,8 +452,8 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
 // Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
 // at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 TEST_F(CudaOps, MoeRouteAndExperts) {
-  // Variants 0, 5 and 6 route one token (the row-streaming kernels: MXFP4 small, NVFP4 and MXFP4 with k that
-  // ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs). The
+  // Variants 0, 5 and 6 route one token (the row-streaming kernels: MXFP4 small, NVFP4 in two parts with
+  // biases in the halves layout, and MXFP4 with k that ends inside a 1024-element chunk); the others several (tensor-core decode kernels, grouped GEMMs). The
   // one-token variants run again with one fp16 per activation (x, then the GLU output): two roundings of
   // <= 2^-11 relative entering sums of random-sign terms, bounded as gemm_cuda_test bounds them, by 64 of
   // those at the output's scale (the GLU slopes stay below ~4 here).
@@ -465,7 +465,10 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     // Variant 6 has gpt-oss's expert width: FC2 stages 4 x 2880 activations (48 KiB of shared memory).
     const int d_model = variant == 6 ? 1088 : variant >= 3 ? 640 : 64, d_ff = variant == 6 ? 2880 : variant >= 3 ? 352 : 96;
     const int64_t T = variant == 2 ? 5 : variant >= 5 ? 1 : variant >= 3 ? 3 : 1 + variant;
-    const std::vector<float> logits = randn(T * E);
+    std::vector<float> logits = randn(T * E);
+    // Variant 2: logits in steps of 0.5, so that tokens have tied experts (ties go to the lower id).
+    if (variant == 2)
+      for (float& v : logits) v = std::round(v * 2.0f) / 2.0f;
     const RouterKind kind = variant % 3 == 0 ? RouterKind::kTopKThenSoftmax : RouterKind::kSoftmaxThenTopK;
     const Routes cr = cpu_.moe_route(cpu_t(logits, {T, E}), top_k, kind, variant == 1);
     const Routes gr = gpu_->moe_route(gpu_t(logits, {T, E}), top_k, kind, variant == 1);
@@ -491,7 +494,7 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       upload(ex.fc2.back());
     }
     MoeExperts gex = ex;
-    if (variant % 3 == 0) {
+    if (variant % 3 == 0 || variant == 5) {  // (5: the halves layout's up biases start d_ff into each row)
       const std::vector<float> b1 = randn(E * 2 * d_ff), b2 = randn(E * d_model);
       ex.fc1_bias = cpu_t(b1, {E, 2 * d_ff}), ex.fc2_bias = cpu_t(b2, {E, d_model});
       gex.fc1_bias = gpu_t(b1, {E, 2 * d_ff}), gex.fc2_bias = gpu_t(b2, {E, d_model});
