@@ -11,7 +11,6 @@
 #include "kernels/attention.cuh"
 
 #include <climits>
-#include <cstdlib>
 #include <cstring>
 
 #include "backend/cuda/cuda_check.h"
@@ -373,10 +372,7 @@ __global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const fl
 
 // NIBBLE_ATTN_KEYS=0 keeps decode on the key-by-key kernel (a measurement knob).
 bool keys_kernel_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("NIBBLE_ATTN_KEYS");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = knob_on("NIBBLE_ATTN_KEYS");
   return on;
 }
 

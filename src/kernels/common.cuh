@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 #include "backend/cuda/cuda_check.h"
@@ -28,6 +29,13 @@ struct DevPart {
 };
 
 inline constexpr int kMaxParts = 4;
+
+// A benchmark knob of the kernel launchers: NAME=0 in the environment turns a path off (read once per
+// process by the caller's static; Model::load rejects values other than 0 and 1).
+inline bool knob_on(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && e[0] == '0');
+}
 
 // A weight [n, k] on the device; passed to kernels by value (or read from global for expert tables).
 struct DevWeight {

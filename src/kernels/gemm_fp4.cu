@@ -11,8 +11,6 @@
 #include "kernels/gemm_fp4_wgmma.cuh"
 #include "kernels/gemm_fp4_ws.cuh"
 
-#include <cstdlib>
-
 namespace nb::cuda {
 namespace {
 
@@ -258,8 +256,7 @@ bool gemm_fp4_supports(const DevWeight& w) {
 
 bool gemm_wgmma() {
   static const bool on = [] {
-    const char* e = std::getenv("NIBBLE_WGMMA");
-    if (e && e[0] == '0') return false;
+    if (!knob_on("NIBBLE_WGMMA")) return false;
     int dev = 0, major = 0, minor = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));

@@ -31,7 +31,14 @@ bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, con
 
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 
-// All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.
+// The one-token FP4 kernels' factor per output of a part's rows: they fold NVFP4's ue4m3 scale into the
+// decoded weights times 2^-7 (gemv_fp4_stream.cu, Fmt<kNVFP4>), so 2^7 and the global scale come back here;
+// 1 for MXFP4. Host (ExpertTable::rows) and device.
+inline constexpr float kNvfp4FoldPost = 128.0f;
+__host__ __device__ inline float fp4_post(WKind kind, const DevPart& p) {
+  return kind == WKind::kNVFP4 ? kNvfp4FoldPost * (p.divide ? 1.0f / p.global : p.global) : 1.0f;
+}
+
 // Where the rows of one expert's projection lie for the one-token kernels (kernels/gemv_fp4_stream.cu): row
 // r (FC1: output r's gate row, or its up row) at codes + r * code_step and scales + r * scale_step, its bias
 // at bias[r * step] (or none), and its per-output factor (NVFP4: 2^7 times the global scale). Built on the
@@ -45,6 +52,7 @@ struct RowMap {
   float post;
 };
 
+// All experts of one MoE layer share a kind; `table` is [n_experts] DevWeights in device memory.
 struct ExpertTable {
   const DevWeight* fc1 = nullptr;  // [n_experts] of [2 d_expert, d_model]
   const DevWeight* fc2 = nullptr;  // [n_experts] of [d_model, d_expert]

@@ -31,7 +31,6 @@
 // fp16 x fp16 products are exact in fp32; 2^14 * 2^-s come back once per output. The error is the fp32
 // accumulation and x's 22-bit split, well inside the CPU reference's tolerance.
 #include <algorithm>
-#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemv.cuh"
@@ -628,10 +627,7 @@ bool linear_kind(const DevWeight& w, const float* x, int64_t m, const float* bia
 // NIBBLE_FP4_MMA=0 turns these kernels off (the CUDA-core kernels of gemv.cu run instead): a measurement
 // knob for the benchmarks.
 bool enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("NIBBLE_FP4_MMA");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = knob_on("NIBBLE_FP4_MMA");
   return on;
 }
 

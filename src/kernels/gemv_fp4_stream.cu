@@ -29,7 +29,6 @@
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
 // overlap the activation staging; so does FC2, whose routes are older than FC1 (launch_moe_fc2's
 // contract), with its experts' descriptors.
-#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemv.cuh"
@@ -176,11 +175,10 @@ __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, i
 template <WKind K>
 struct Fmt;
 // Folds: the fp16x2 factor that turns a decoded E2M1 pair (e2m1 * 2^-14) into the weight times 2^(c - 14),
-// c the row's window (MXFP4, below); kPost and 2^(14 - c) come back per output.
+// c the row's window (MXFP4, below); fp4_post (gemv.cuh) and 2^(14 - c) come back per output.
 template <>
 struct Fmt<WKind::kMXFP4> {
   static constexpr int kBs = 32;
-  static constexpr float kPost = 1.0f;
   // 2^(e - 127 + c) rounded to fp16 (exact for e + c in [103, 142]; the window keeps every block <= 142).
   __device__ static void folds(uint32_t s, int c, uint32_t (&f)[2]) {
     const __half h = __float2half_rn(__uint_as_float((s & 0xffu) + c << 23));
@@ -201,7 +199,6 @@ struct Fmt<WKind::kMXFP4> {
 template <>
 struct Fmt<WKind::kNVFP4> {
   static constexpr int kBs = 16;
-  static constexpr float kPost = 128.0f;  // the fold's 2^-7, back per output (with the global scale)
   // Blocks 0 and 1 of the lane's 32 elements (scale bytes 0, 1 of s): ue4m3 * 2^7 in fp16, always exact
   // (window fixed at 14). The 7 code bits at fp16 bits 7..13 are ue4m3 * 2^-8; times 2^15.
   __device__ static void folds(uint32_t s, int, uint32_t (&f)[2]) {
@@ -366,11 +363,6 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   }
 }
 
-template <WKind K>
-__device__ __forceinline__ float post(const DevPart& p) {
-  return K == WKind::kNVFP4 ? Fmt<K>::kPost * (p.divide ? 1.0f / p.global : p.global) : 1.0f;
-}
-
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
 template <WKind K>
 struct LinearOp {
@@ -398,7 +390,7 @@ struct LinearOp {
     const int lane = threadIdx.x & 31, r = 2 * u.p + (lane >> 4);
     if ((lane & 15) != 0 || r >= w.n) return;
     int rr = r;
-    const float pf = w.n_parts == 1 ? post<K>(w.part[0]) : post<K>(find_part(w, rr));
+    const float pf = w.n_parts == 1 ? fp4_post(K, w.part[0]) : fp4_post(K, find_part(w, rr));
     y[r] = (lane ? v1 : v0) * unscale * pf + (lane ? b.y : b.x);
   }
 };
@@ -603,15 +595,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // NIBBLE_FP4_STREAM=0 turns these kernels off (gemv_fp4.cu's tensor-core kernels take one token then): a
 // measurement knob for the benchmarks, and how the CUDA tests keep those kernels' one-token paths covered.
 bool enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("NIBBLE_FP4_STREAM");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = knob_on("NIBBLE_FP4_STREAM");
   return on;
 }
 
 bool fp4(WKind kind) { return kind == WKind::kMXFP4 || kind == WKind::kNVFP4; }
-
 
 // k in whole lanes (k % 32), at most kMaxChunks chunks; rows of 16-byte aligned codes and, for NVFP4,
 // 2-byte aligned scale pairs.
@@ -687,10 +675,7 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
   // whose grid of (nearly) full rounds still fits one block per SM (gpt-oss: 11520 pairs, 128 blocks x 15
   // warps x 6 rounds -- 90 units per SM; 16 warps took 120 blocks, 96 units per SM; 132 blocks x 16 left the
   // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps 16 warps on every SM (measurement knob).
-  static const bool even = [] {
-    const char* e = std::getenv("NIBBLE_FC1_EVEN");
-    return !(e && e[0] == '0');
-  }();
+  static const bool even = knob_on("NIBBLE_FC1_EVEN");
   const size_t smem = stage_bytes(1, t.d_model);
   const int n_pairs = top_k * t.d_expert;
   with_chunks(t.d_model, split, [&]<int NC, bool kSplit>() {

@@ -1,5 +1,6 @@
 // Routing kernels. route: one warp per token, the token's logits in shared memory; top-k by k rounds of
-// a warp argmax (ties to the lower id; two redux.sync per round). Softmax statistics in fp32, as the references compute them.
+// a warp argmax (ties to the lower id; two redux.sync per round). Softmax statistics in fp32, as the
+// references compute them.
 // norm_route (decode): the residual add, RMSNorm, the BF16 router projection and the same top-k in one
 // launch, so an MoE block's head is one kernel instead of three.
 #include "kernels/moe.cuh"

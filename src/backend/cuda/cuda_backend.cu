@@ -126,8 +126,7 @@ cuda::RowMap row_map(const DevWeight& w, int first, int step, const float* bias)
   m.scales = part.scales + static_cast<int64_t>(first) * scale_bytes;
   m.bias = bias;
   m.code_step = step * code_bytes, m.scale_step = step * scale_bytes, m.step = step;
-  // NVFP4: the kernels fold ue4m3 * 2^7 into the weights (gemv_fp4_stream.cu, Fmt<kNVFP4>::kPost).
-  m.post = nv ? 128.0f * (part.divide ? 1.0f / part.global : part.global) : 1.0f;
+  m.post = cuda::fp4_post(w.kind, part);
   return m;
 }
 
