@@ -51,7 +51,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read by the kernels)
   // NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws; unset: the
   // backend's choice), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher), NIBBLE_ATTN_KEYS
-  // (the lanes-over-keys decode attention, read by its launcher) and NIBBLE_L2_PREFETCH
+  // (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA (the 2..8-token tensor-core
+  // FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile) and NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
@@ -59,6 +60,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_ws, env_choice("NIBBLE_GEMM_WS", "0", "1"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FC1_EVEN", "0", "1").status());
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_ATTN_KEYS", "0", "1").status());
+  NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_MMA", "0", "1").status());
+  NB_RETURN_IF_ERROR(env_choice("NIBBLE_WGMMA", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* l2_prefetch, env_choice("NIBBLE_L2_PREFETCH", "0", "1"));
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
