@@ -135,6 +135,13 @@ struct SampleSpec {
 struct Routes {
   Tensor ids;      // [n_tokens, top_k] I32 expert ids
   Tensor weights;  // [n_tokens, top_k] F32 routing weights
+  // Deferred routes (the CUDA backend's add_rms_norm_route at one token): ids and weights are not written
+  // yet; these router logits [n_tokens, n_experts] are, and moe_experts selects from them (by kind and
+  // renormalize) in its first kernel, writing ids and weights then. Empty once ids and weights are written;
+  // Backend::resolve_routes writes them on its own.
+  Tensor logits;
+  RouterKind kind = RouterKind::kTopKThenSoftmax;
+  bool renormalize = false;
 };
 
 // An MoE block's input and its routes (Backend::add_rms_norm_route).
@@ -174,9 +181,10 @@ class Backend {
   virtual Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                                    const BatchInfo& b) = 0;
   virtual Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) = 0;
-  // An MoE block's head: h = add_rms_norm(x, y, norm, eps) (x += y in place; y empty: rms_norm(x) alone),
-  // routes = moe_route(linear(h, router, router_bias), top_k, kind, renormalize). The same numbers as
-  // those ops in turn, which is what this default does; the CUDA backend runs it as one kernel at decode.
+  // An MoE block's head: h = add_rms_norm(x, y, norm, eps) (x += y; y empty: rms_norm(x) alone), routes =
+  // moe_route(linear(h, router, router_bias), top_k, kind, renormalize). The same numbers as those ops in
+  // turn, which is what this default does; the CUDA backend runs it as one kernel at decode, where x may
+  // move to another buffer (the sum is written beside the old one) and the routes may be deferred (Routes).
   virtual NormRoutes add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps,
                                         const Weight& router, const Tensor* router_bias, int top_k, RouterKind kind,
                                         bool renormalize) {
@@ -185,6 +193,8 @@ class Backend {
     r.routes = moe_route(linear(r.h, router, router_bias), top_k, kind, renormalize);
     return r;
   }
+  // Routes with ids and weights written (deferred ones selected from their logits now; others as they are).
+  virtual Routes resolve_routes(const Routes& r) { return r; }
   virtual Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                              const GluParams& glu) = 0;  // [n_tokens, d_model]: sum_k w_k (fc2(glu(fc1 x)))
   virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up

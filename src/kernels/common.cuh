@@ -254,6 +254,21 @@ __device__ __forceinline__ void pdl_wait_then_launch() {
 #endif
 }
 
+// The two halves, for a kernel that lets its successor launch only after its own prologue: the one-token
+// MoE FC1 with deferred routes (gemv.cuh, RouteLogits), whose block 0 writes the routes and fences them
+// (__threadfence: performed at L2 before the trigger issues) so that FC2 reads them, through L2, before its
+// own wait as launch_moe_fc2's contract lets it.
+__device__ __forceinline__ void pdl_wait_only() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <class... KernelArgs, class... Args>
 void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                 Args&&... args) {

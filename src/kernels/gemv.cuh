@@ -75,9 +75,10 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
                     Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
 // y[t] = sum_i weights[t, i] * (fc2_e(act[t * top_k + i]) + bias_e): all choices in one launch, summed
 // in choice order inside one warp (deterministic). ids and weights must be complete by the time the
-// previous kernel on the stream passes its wait (as right after launch_moe_fc1 with the same routes: the
-// FC1 kernels let their successor launch only then, pdl_wait_then_launch): the one-token kernel reads them,
-// and its first weights, before waiting for that kernel.
+// previous kernel on the stream lets it launch (as right after launch_moe_fc1 with the same routes: the
+// FC1 kernels trigger only after their wait; or after launch_moe_fc1_logits, whose block 0 writes and
+// fences them before its trigger): the one-token kernel reads them, and its first weights, before waiting
+// for that kernel.
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                     const float* act, float* y, bool fp16_acts, cudaStream_t s);
 
@@ -85,6 +86,22 @@ bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pair
                         Glu glu, float limit, float* act, cudaStream_t s);
 bool launch_moe_fc2_fp4(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
                         const float* act, float* y, cudaStream_t s);
+// Deferred routes (norm_route's deferred mode, launch_norm_route): the router logits [n_experts] of the one
+// token, whose top-k each block of the one-token FP4 FC1 kernel forms itself in shared memory (route_warp,
+// route.cuh) instead of reading ids and weights; its block 0 writes the ids and weights out for FC2.
+struct RouteLogits {
+  const float* logits = nullptr;
+  int n_experts = 0;
+  bool softmax_first = false, renormalize = false;
+};
+inline constexpr int kRouteLogitsMaxExperts = 256;
+// Whether the one-token kernels take these experts, and routes as logits (n_experts <= 256).
+bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts);
+// As launch_moe_fc1 for one token, the routes as logits: also writes ids [top_k] and weights [top_k], which
+// launch_moe_fc2 right after it may take (they are complete before FC1 lets it launch).
+void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
+                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
+
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                                Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,

@@ -32,6 +32,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemv.cuh"
+#include "kernels/route.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -434,21 +435,45 @@ __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& 
   return r;
 }
 
+// The token's routes: ids [top_k] and weights [top_k] as routed, or (lg.logits set: deferred routes, FC1
+// only) the router logits, whose top-k each block forms itself; block 0 then writes ids and weights out
+// (fenced: FC2 reads them before its wait, see stream_fc1_kernel).
+struct RouteSrc {
+  int32_t* ids;
+  float* weights;
+  RouteLogits lg;
+};
+
 // The routed experts of the one token: thread i < top_k copies choice i's row maps (FC1: gate and up, FC2:
-// one; ExpertTable::rows, built on the host) into shared memory, and for FC2 its routing weight. Ends with
-// a block barrier.
-__device__ void map_experts(const ExpertTable& tab, const int32_t* ids, const float* weights, int top_k, bool fc1,
-                            RowMap (*maps)[kMaxRows], float* s_weights) {
+// one; ExpertTable::rows, built on the host) into shared memory, and for FC2 its routing weight. Deferred
+// routes: warp 0 selects them from the logits first (route_warp, as the routing kernels do). Ends with a
+// block barrier. (Routes are read through L2: FC2 reads them before its wait, see pdl_wait.) table:
+// ExpertTable::rows or a copy of it in shared memory.
+__device__ void map_experts(const RowMap* table, const RouteSrc& r, int top_k, bool fc1, RowMap (*maps)[kMaxRows],
+                            float* s_weights) {
+  __shared__ float s_logits[kRouteLogitsMaxExperts];
+  __shared__ int32_t s_ids[kMaxRows];
+  __shared__ float s_w[kMaxRows];
+  const bool select = r.lg.logits != nullptr;
+  if (select && threadIdx.x < 32) {
+    load_logits_warp(r.lg.logits, r.lg.n_experts, s_logits);
+    route_warp(s_logits, r.lg.n_experts, top_k, r.lg.softmax_first, r.lg.renormalize, s_ids, s_w);
+    __syncwarp();
+  }
   if (threadIdx.x < top_k) {
-    const int i = threadIdx.x, id = __ldcg(ids + i);  // (through L2: FC2 reads it before its wait, see pdl_wait)
-    const RowMap* m = tab.rows + 3 * static_cast<int64_t>(id);
+    const int i = threadIdx.x, id = select ? s_ids[i] : __ldcg(r.ids + i);
+    const RowMap* m = table + 3 * static_cast<int64_t>(id);
     if (fc1) {
       maps[0][i] = m[0];
       maps[1][i] = m[1];
     } else {
       maps[0][i] = m[2];
     }
-    if (weights) s_weights[i] = __ldcg(weights + i);
+    if (s_weights) s_weights[i] = select ? s_w[i] : __ldcg(r.weights + i);
+    if (select && blockIdx.x == 0) {
+      r.ids[i] = id, r.weights[i] = s_w[i];
+      __threadfence();
+    }
   }
   __syncthreads();
 }
@@ -486,16 +511,34 @@ struct Fc1Op {
 
 template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids, int top_k,
-                      const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act) {
-  extern __shared__ uint4 planes[];
+    stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
+                      const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act,
+                      bool table_in_smem) {
+  extern __shared__ uint4 planes[];  // the staged x; then, with table_in_smem, a copy of tab.rows
   __shared__ StageShared ss;
   __shared__ RowMap maps[2][kMaxRows];
   stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
-  pdl_wait_then_launch();  // ids and x come from the previous kernels; FC2 launches after this (its contract)
+  // Every expert's row maps copied before the wait (they are fixed at load time): after the routes are known
+  // the routed ones are a shared-memory read, not an L2 round trip on the step's critical path.
+  const RowMap* table = tab.rows;
+  if (table_in_smem) {
+    RowMap* copy = reinterpret_cast<RowMap*>(planes + row_words(tab.d_model));
+    const int words = 3 * tab.n_experts * static_cast<int>(sizeof(RowMap) / sizeof(uint2));
+    for (int i = threadIdx.x; i < words; i += blockDim.x)
+      reinterpret_cast<uint2*>(copy)[i] = __ldg(reinterpret_cast<const uint2*>(tab.rows) + i);
+    __syncthreads();
+    table = copy;
+  }
+  // Routes and x come from the previous kernels. FC2 launches after our trigger and reads the routes before
+  // its wait (launch_moe_fc2's contract): routed ones are complete once we pass our wait; deferred ones
+  // once block 0 has written and fenced them in map_experts, so the trigger follows that.
+  const bool deferred = routes.lg.logits != nullptr;
+  pdl_wait_only();
+  if (!deferred) pdl_launch();
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
-  map_experts(tab, ids, nullptr, top_k, true, maps, nullptr);
+  map_experts(table, routes, top_k, true, maps, nullptr);
+  if (deferred) pdl_launch();
   const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
   Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
@@ -559,8 +602,8 @@ struct Fc2Op {
 
 template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const int32_t* __restrict__ ids,
-                      const float* __restrict__ weights, int top_k, const float* __restrict__ act,
+    stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
+                      const float* __restrict__ act,
                       float* __restrict__ y, int rounds) {
   extern __shared__ uint4 planes[];
   __shared__ StageShared ss;
@@ -574,10 +617,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const int p0 = static_cast<int>(blockIdx.x) * groups + warp / top_k;
   const Unit first{p0, 0, p0};
   Item cur[NC];
-  // ids and weights were complete when the previous kernel (FC1) passed its wait (launch_moe_fc2's
-  // contract), and FC1 let this kernel launch only after that wait (pdl_wait_then_launch), so they, the
-  // experts' descriptors and the first unit's weights are read before ours: only act comes from FC1.
-  map_experts(tab, ids, weights, top_k, false, maps, s_weights);
+  // The routes were complete when the previous kernel (FC1) let this one launch (launch_moe_fc2's contract:
+  // see stream_fc1_kernel), so they, the experts' descriptors and the first unit's weights are read before
+  // our wait: only act comes from FC1.
+  map_experts(tab.rows, routes, top_k, false, maps, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   pdl_wait();  // act comes from the previous kernel
   Held h;
@@ -669,14 +712,17 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, boo
 }
 
 template <WKind K>
-void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Glu glu, float limit,
+void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu glu, float limit,
          float* act, bool split, cudaStream_t s) {
   // Every warp the same number of row-pair units, on as many SMs as that allows: the fewest warps per block
   // whose grid of (nearly) full rounds still fits one block per SM (gpt-oss: 11520 pairs, 128 blocks x 15
   // warps x 6 rounds -- 90 units per SM; 16 warps took 120 blocks, 96 units per SM; 132 blocks x 16 left the
   // last round 45 % full). NIBBLE_FC1_EVEN=0 keeps 16 warps on every SM (measurement knob).
   static const bool even = knob_on("NIBBLE_FC1_EVEN");
-  const size_t smem = stage_bytes(1, t.d_model);
+  // With at most 256 experts their row maps fit in shared memory beside x (gpt-oss-120b: 15 KiB).
+  const bool table_in_smem = t.n_experts <= kRouteLogitsMaxExperts;
+  static_assert(sizeof(RowMap) % sizeof(uint2) == 0);
+  const size_t smem = stage_bytes(1, t.d_model) + (table_in_smem ? 3 * sizeof(RowMap) * t.n_experts : 0);
   const int n_pairs = top_k * t.d_expert;
   with_chunks(t.d_model, split, [&]<int NC, bool kSplit>() {
     auto kernel = stream_fc1_kernel<K, NC, kSplit>;
@@ -686,13 +732,13 @@ void fc1(const ExpertTable& t, const int32_t* ids, int top_k, const float* x, Gl
       for (int w = warps; w >= 1 && ceil_div(n_pairs, rounds * w) <= max_grid; --w)
         warps = w, grid = ceil_div(n_pairs, rounds * w);
     }
-    launch_pdl(kernel, grid, warps * 32, smem, s, t, ids, top_k, x, glu, limit, act);
+    launch_pdl(kernel, grid, warps * 32, smem, s, t, r, top_k, x, glu, limit, act, table_in_smem);
   });
   CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K>
-void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top_k, const float* act,
+void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act,
          float* y, bool split, cudaStream_t s) {
   // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
   // the last round is (nearly) full.
@@ -702,9 +748,14 @@ void fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int top
     auto kernel = stream_fc2_kernel<K, NC, kSplit>;
     const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
     const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
-    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, ids, weights, top_k, act, y, rounds);
+    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, r, top_k, act, y, rounds);
   });
   CUDA_CHECK(cudaGetLastError());
+}
+
+// Routes as routed (the kernels only read them).
+RouteSrc route_ids(const int32_t* ids, const float* weights) {
+  return RouteSrc{const_cast<int32_t*>(ids), const_cast<float*>(weights), RouteLogits{}};
 }
 
 bool table_ok(const ExpertTable& t, int top_k, int k) {
@@ -730,9 +781,9 @@ bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t
                                const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;
   if (t.kind == WKind::kMXFP4)
-    fc1<WKind::kMXFP4>(t, ids, top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kMXFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s);
   else
-    fc1<WKind::kNVFP4>(t, ids, top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kNVFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s);
   return true;
 }
 
@@ -741,10 +792,28 @@ bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const f
                                cudaStream_t s) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
   if (t.kind == WKind::kMXFP4)
-    fc2<WKind::kMXFP4>(t, ids, weights, top_k, act, y, !fp16_acts, s);
+    fc2<WKind::kMXFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, s);
   else
-    fc2<WKind::kNVFP4>(t, ids, weights, top_k, act, y, !fp16_acts, s);
+    fc2<WKind::kNVFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, s);
   return true;
 }
+
+bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts) {
+  return table_ok(t, top_k, t.d_model) && table_ok(t, top_k, t.d_expert) && top_k <= n_experts &&
+         n_experts <= kRouteLogitsMaxExperts;
+}
+
+void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
+                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s) {
+  NB_CHECK(moe_fp4_stream_supports(t, top_k, r.n_experts) && r.logits && ids && weights,
+           "moe_fc1: routes as logits need the one-token FP4 kernels");
+  const RouteSrc src{ids, weights, r};
+  if (t.kind == WKind::kMXFP4)
+    fc1<WKind::kMXFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s);
+  else
+    fc1<WKind::kNVFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s);
+}
+
+
 
 }  // namespace nb::cuda

@@ -1,79 +1,22 @@
-// Routing kernels. route: one warp per token, the token's logits in shared memory; top-k by k rounds of
-// a warp argmax (ties to the lower id; two redux.sync per round). Softmax statistics in fp32, as the
-// references compute them.
+// Routing kernels. route: one warp per token, the token's logits in shared memory, top-k by route_warp
+// (route.cuh).
 // norm_route (decode): the residual add, RMSNorm, the BF16 router projection and the same top-k in one
 // launch, so an MoE block's head is one kernel instead of three.
 #include "kernels/moe.cuh"
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/common.cuh"
+#include "kernels/route.cuh"
 
 namespace nb::cuda {
 namespace {
-
-constexpr int kMaxTopK = 32;
-
-// Top-k of one token's n_experts logits, held in shared memory s (overwritten), by one warp; lane 0
-// writes the token's ids [top_k] and weights [top_k].
-__device__ void route_warp(float* s, int n_experts, int top_k, bool softmax_first, bool renormalize,
-                           int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const int lane = threadIdx.x & 31;
-  if (softmax_first) {
-    float mx = -INFINITY;
-    for (int e = lane; e < n_experts; e += 32) mx = fmaxf(mx, s[e]);
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int e = lane; e < n_experts; e += 32) sum += (s[e] = expf(s[e] - mx));
-    sum = warp_sum(sum);
-    for (int e = lane; e < n_experts; e += 32) s[e] /= sum;
-  }
-  __syncwarp();
-  float w[kMaxTopK];
-  int id[kMaxTopK];
-  // Floats as unsigned integers in the same order (-inf lowest), so that the warp's maximum is one redux.
-  auto ordered = [](float f) {
-    const uint32_t u = __float_as_uint(f);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-  };
-  auto unordered = [](uint32_t k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); };
-  for (int i = 0; i < top_k; ++i) {
-    float best = -INFINITY;
-    int best_id = n_experts;
-    for (int e = lane; e < n_experts; e += 32)
-      if (s[e] > best) best = s[e], best_id = e;  // ascending e: the first maximum wins within a lane
-    // The warp's largest value, then the lowest id holding it: two redux.sync instead of five dependent
-    // shuffle pairs (this runs on the decode step's critical path, in norm_route's last block).
-    const uint32_t top = __reduce_max_sync(0xffffffffu, ordered(best));
-    const int who = static_cast<int>(
-        __reduce_min_sync(0xffffffffu, ordered(best) == top ? static_cast<uint32_t>(best_id) : 0xffffffffu));
-    w[i] = unordered(top);
-    id[i] = who;
-    if (who < n_experts && lane == who % 32) s[who] = -INFINITY;  // (each lane scans only its own experts)
-  }
-  if (lane != 0) return;
-  if (!softmax_first) {
-    const float m = w[0];  // the largest
-    float sum = 0.0f;
-    for (int i = 0; i < top_k; ++i) sum += (w[i] = expf(w[i] - m));
-    for (int i = 0; i < top_k; ++i) w[i] /= sum;
-  } else if (renormalize) {
-    float sum = 0.0f;
-    for (int i = 0; i < top_k; ++i) sum += w[i];
-    for (int i = 0; i < top_k; ++i) w[i] /= sum;
-  }
-  for (int i = 0; i < top_k; ++i) {
-    ids[i] = id[i];
-    weights[i] = w[i];
-  }
-}
 
 __global__ void route_kernel(const float* __restrict__ logits, int n_experts, int top_k, bool softmax_first,
                              bool renormalize, int32_t* __restrict__ ids, float* __restrict__ weights) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   extern __shared__ float s[];  // [n_experts]
   const int64_t t = blockIdx.x;
-  for (int e = threadIdx.x; e < n_experts; e += 32) s[e] = logits[t * n_experts + e];
-  __syncwarp();
+  load_logits_warp(logits + t * n_experts, n_experts, s);
   route_warp(s, n_experts, top_k, softmax_first, renormalize, ids + t * top_k, weights + t * top_k);
 }
 
@@ -85,6 +28,9 @@ __global__ void route_kernel(const float* __restrict__ logits, int n_experts, in
 // the previous kernel, are loaded before pdl_wait. Block 0 writes the row out as h. The last block of the
 // token to arrive (an atomic count, which it resets) writes x + y back into x -- every block has read x
 // by then -- and runs the top-k on the logits the others left in global memory.
+// Deferred mode (x_out set, one token): no last block -- its fence, atomic, logits reload and top-k sat on
+// the decode step's critical path -- block 0 writes x + y to x_out (another buffer: the other blocks still
+// read x) and the logits are the output; the expert kernels select from them (gemv.cuh, RouteLogits).
 constexpr int kNormRouteWarps = 8;
 constexpr int kNormRouteThreads = kNormRouteWarps * 32;
 constexpr int kNormRouteMaxVec = kNormRouteMaxDim / 4 / kNormRouteThreads;  // float4s per thread
@@ -95,7 +41,7 @@ __global__ void __launch_bounds__(kNormRouteThreads)
                       float eps, const uint16_t* __restrict__ router, const float* __restrict__ bias, int n_experts,
                       int top_k, bool softmax_first, bool renormalize, float* __restrict__ h,
                       float* __restrict__ logits, int32_t* __restrict__ ids, float* __restrict__ weights,
-                      unsigned* __restrict__ arrivals) {
+                      unsigned* __restrict__ arrivals, float* __restrict__ x_out) {
   extern __shared__ float sm[];  // hn [d] the normalized row, sl [n_experts] the logits (last block)
   float* hn = sm;
   float* sl = sm + d;
@@ -152,6 +98,7 @@ __global__ void __launch_bounds__(kNormRouteThreads)
                                  nw[j].w * (sv[j].w * inv));
     reinterpret_cast<float4*>(hn)[v] = o;
     if (blockIdx.x == 0) reinterpret_cast<float4*>(h + t * d)[v] = o;
+    if (blockIdx.x == 0 && x_out) reinterpret_cast<float4*>(x_out + t * d)[v] = sv[j];
   }
   __syncthreads();
   float acc = 0.0f;
@@ -171,8 +118,10 @@ __global__ void __launch_bounds__(kNormRouteThreads)
   acc = warp_sum(acc);
   if (lane == 0 && e < n_experts) {
     logits[t * n_experts + e] = acc + (bias ? bias[e] : 0.0f);
-    __threadfence();  // the logit is visible device-wide before this block's arrival counts
+    if (!x_out) __threadfence();  // the logit is visible device-wide before this block's arrival counts
   }
+  if (x_out) return;  // deferred: the top-k is the expert kernels'
+
   __syncthreads();
   if (threadIdx.x == 0) {
     last = atomicAdd(&arrivals[t], 1u) == gridDim.x - 1;
@@ -189,8 +138,7 @@ __global__ void __launch_bounds__(kNormRouteThreads)
     }
   }
   if (warp != 0) return;
-  for (int j = lane; j < n_experts; j += 32) sl[j] = __ldcg(logits + t * n_experts + j);
-  __syncwarp();
+  load_logits_warp(logits + t * n_experts, n_experts, sl);
   route_warp(sl, n_experts, top_k, softmax_first, renormalize, ids + t * top_k, weights + t * top_k);
 }
 
@@ -212,14 +160,16 @@ bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k) {
 
 void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,
                        const DevWeight& router, const float* bias, int top_k, bool softmax_first, bool renormalize,
-                       float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, cudaStream_t s) {
+                       float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, float* x_out,
+                       cudaStream_t s) {
   NB_CHECK(norm_route_supports(router, n_tokens, top_k), "norm_route: unsupported router or shapes");
+  NB_CHECK(!x_out || (n_tokens == 1 && x_out != x && !ids && !weights), "norm_route: deferred mode is for one token");
   const int d = router.k, n_experts = router.n;
   const dim3 grid((n_experts + kNormRouteWarps - 1) / kNormRouteWarps, static_cast<unsigned>(n_tokens));
   const size_t smem = (static_cast<size_t>(d) + n_experts) * sizeof(float);
   launch_pdl(norm_route_kernel, grid, kNormRouteThreads, smem, s, x, y, norm_w, d, eps,
              reinterpret_cast<const uint16_t*>(router.part[0].data), bias, n_experts, top_k, softmax_first,
-             renormalize, h, logits, ids, weights, arrivals);
+             renormalize, h, logits, ids, weights, arrivals, x_out);
   CUDA_CHECK(cudaGetLastError());
 }
 

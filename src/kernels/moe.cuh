@@ -18,6 +18,8 @@ void launch_moe_route(const float* logits, int64_t n_tokens, int n_experts, int 
 // An MoE block's head at decode, one launch: x [T, d] += y [T, d] in place (y null: no add), h [T, d] =
 // rms_norm(x) * norm_w, logits [T, E] = router h + bias (router BF16 [E, d], bias [E] or null), then the
 // routes as launch_moe_route. arrivals: kNormRouteMaxTokens zeroed counters (left zeroed).
+// Deferred routes (x_out non-null, one token; ids and weights null): x + y goes to x_out instead of x, and
+// the routes stay as the logits, which the one-token expert kernels select from (gemv.cuh, RouteLogits).
 inline constexpr int kNormRouteMaxTokens = 16;
 inline constexpr int kNormRouteMaxChunks = 16;  // 16-byte chunks (8 BF16) per lane of a router row
 inline constexpr int kNormRouteMaxDim = kNormRouteMaxChunks * 8 * 32;  // d <= 4096
@@ -25,6 +27,7 @@ inline constexpr int kNormRouteMaxExperts = 4096;
 bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k);
 void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,
                        const DevWeight& router, const float* bias, int top_k, bool softmax_first, bool renormalize,
-                       float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, cudaStream_t s);
+                       float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, float* x_out,
+                       cudaStream_t s);
 
 }  // namespace nb::cuda

@@ -509,6 +509,20 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     for (size_t i = 0; i < want.size(); ++i)
       tol[i] = 2e-4f + 2e-5f * std::abs(want[i]) + (fp16 ? 64 * 0x1p-11f * scale : 0.0f);
     expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant) + (fp16 ? " one fp16" : ""));
+    // One token, FP4 experts: the same routes deferred (Routes::logits; each FC1 and FC2 block selects them,
+    // FC1's block 0 writes ids and weights): the same selection code on the same logits, so the same bits.
+    if (T == 1 && f != WeightFormat::kBF16) {
+      const Routes dr{gpu_->alloc(DType::kI32, {1, top_k}), gpu_->alloc(DType::kF32, {1, top_k}),
+                      gpu_t(logits, {1, E}), kind, variant == 1};
+      const std::vector<float> got_d = gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), dr, gex, glu));
+      const std::string what = "deferred routes, variant " + std::to_string(variant) + (fp16 ? " one fp16" : "");
+      expect_close(got, got_d, {0.0f}, what);
+      expect_close(gw, gpu_->to_host(dr.weights), {0.0f}, "weights written by FC1, " + what);
+      std::vector<int32_t> dids(top_k);
+      cudaDeviceSynchronize();
+      cudaMemcpy(dids.data(), dr.ids.data<int32_t>(), dids.size() * 4, cudaMemcpyDeviceToHost);
+      for (int i = 0; i < top_k; ++i) ASSERT_EQ(gids[i], dids[i]) << "id " << i << " written by FC1, " << what;
+    }
   }
 }
 
@@ -534,7 +548,8 @@ TEST_F(CudaOps, RmsNormLongRows) {
 
 // add_rms_norm_route against the CPU's add_rms_norm, linear and moe_route in turn: the one-kernel decode
 // path (BF16 router, up to 16 tokens; gpt-oss-120b's and Qwen3-30B-A3B's shapes, no residual, run twice so
-// the arrival counters must have been reset) and the fallbacks (17 tokens; an fp32 router).
+// the arrival counters must have been reset) and the fallbacks (17 tokens; an fp32 router). The one-token
+// case defers its routes (Routes::logits, the residual sum in a new buffer); resolve_routes selects them.
 TEST_F(CudaOps, AddRmsNormRoute) {
   struct Case {
     int64_t T, d;
@@ -572,11 +587,14 @@ TEST_F(CudaOps, AddRmsNormRoute) {
                                                       c.top_k, c.kind, c.renormalize);
       expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {0.0f}, "residual sum, " + what);
       expect_close(cpu_.to_host(want.h), gpu_->to_host(got.h), {2e-5f * 4}, "h, " + what);
+      ASSERT_EQ(!got.routes.logits.empty(), c.T == 1) << "deferred routes, " << what;
+      const Routes gr = gpu_->resolve_routes(got.routes);
+      ASSERT_TRUE(gr.logits.empty()) << what;
       // Softmaxes of logits summed in another order.
-      expect_close(cpu_.to_host(want.routes.weights), gpu_->to_host(got.routes.weights), {1e-4f}, "weights, " + what);
+      expect_close(cpu_.to_host(want.routes.weights), gpu_->to_host(gr.weights), {1e-4f}, "weights, " + what);
       std::vector<int32_t> gids(c.T * c.top_k);
       cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
-      cudaMemcpy(gids.data(), got.routes.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(gids.data(), gr.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost);
       for (int64_t i = 0; i < c.T * c.top_k; ++i)
         ASSERT_EQ(want.routes.ids.data<int32_t>()[i], gids[i]) << "id " << i << ", " << what << ", run " << run;
     }

@@ -689,12 +689,43 @@ NormRoutes CudaBackend::add_rms_norm_route(Tensor& x, const Tensor& y, const Ten
   r.h = alloc(DType::kF32, x.shape);
   r.routes = Routes{alloc(DType::kI32, {T, top_k}), alloc(DType::kF32, {T, top_k})};
   Tensor logits = alloc(DType::kF32, {T, router.n});
+  // One token: the routes stay as the logits (Routes), the sum goes to a new buffer (the kernel's blocks all
+  // read x), so the kernel has no last block selecting the experts on the step's critical path.
+  const bool defer = T == 1 && impl_->options.defer_routes && router.n <= cuda::kRouteLogitsMaxExperts;
+  Tensor x_new = defer ? alloc(DType::kF32, x.shape) : Tensor();
   cuda::launch_norm_route(x.data<float>(), y.empty() ? nullptr : y.data<float>(), norm.data<float>(), eps, T, dw,
                           router_bias ? router_bias->data<float>() : nullptr, top_k,
                           kind == RouterKind::kSoftmaxThenTopK, renormalize, r.h.data<float>(), logits.data<float>(),
-                          r.routes.ids.data<int32_t>(), r.routes.weights.data<float>(), impl_->arrivals,
-                          impl_->stream);
+                          defer ? nullptr : r.routes.ids.data<int32_t>(),
+                          defer ? nullptr : r.routes.weights.data<float>(), impl_->arrivals,
+                          defer ? x_new.data<float>() : nullptr, impl_->stream);
+  if (defer) {
+    x = x_new;
+    r.routes.logits = logits;
+    r.routes.kind = kind;
+    r.routes.renormalize = renormalize;
+  }
   return r;
+}
+
+Routes CudaBackend::resolve_routes(const Routes& r) {
+  if (r.logits.empty()) return r;
+  check_f32(r.logits, "resolve_routes");
+  const int64_t n_tokens = r.logits.dim(0), top_k = r.ids.dim(1);
+  cuda::launch_moe_route(r.logits.data<float>(), n_tokens, static_cast<int>(r.logits.dim(1)), static_cast<int>(top_k),
+                         r.kind == RouterKind::kSoftmaxThenTopK, r.renormalize, r.ids.data<int32_t>(),
+                         r.weights.data<float>(), impl_->stream);
+  return Routes{r.ids, r.weights};
+}
+
+// Deferred routes the one-token expert kernels select from themselves (else resolve_routes first).
+static bool logits_routes(const Routes& r, const cuda::ExpertTable& t) {
+  return !r.logits.empty() && r.logits.dim(0) == 1 &&
+         cuda::moe_fp4_stream_supports(t, static_cast<int>(r.ids.dim(1)), static_cast<int>(r.logits.dim(1)));
+}
+static cuda::RouteLogits route_logits(const Routes& r) {
+  return {r.logits.data<float>(), static_cast<int>(r.logits.dim(1)), r.kind == RouterKind::kSoftmaxThenTopK,
+          r.renormalize};
 }
 
 const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
@@ -764,6 +795,13 @@ Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExpe
                           ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
                           : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
   Tensor act = alloc(DType::kF32, {n_tokens * top_k, ex.d_expert});
+  if (!routes.logits.empty()) {
+    NB_CHECK(logits_routes(routes, d.table) && n_tokens == 1, "moe_fc1: deferred routes these kernels cannot select");
+    cuda::launch_moe_fc1_logits(d.table, route_logits(routes), static_cast<int>(top_k), routes.ids.data<int32_t>(),
+                                routes.weights.data<float>(), x.data<float>(), g, glu.limit, act.data<float>(),
+                                impl_->options.gemm_fp16_activations, impl_->stream);
+    return act;
+  }
   cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
                        x.data<float>(), g, glu.limit, act.data<float>(), impl_->options.gemm_fp16_activations,
                        impl_->stream);
@@ -777,15 +815,19 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
   // The routes are older than the kernel before this one (moe_experts launches FC2 right after FC1 with the
   // same routes; the benchmark makes them first), as launch_moe_fc2 needs.
+  // Deferred routes: moe_fc1 (the kernel right before) has written ids and weights.
+  NB_CHECK(routes.logits.empty() || logits_routes(routes, d.table), "moe_fc2: deferred routes these kernels cannot take");
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                        static_cast<int>(top_k), act.data<float>(), y.data<float>(),
                        impl_->options.gemm_fp16_activations, impl_->stream);
   return y;
 }
 
-Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
-  const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
+Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const MoeExperts& ex, const GluParams& glu) {
+  const int64_t n_tokens = x.dim(0), top_k = deferred.ids.dim(1);
   const ExpertDev& d = impl_->expert_tables(ex);
+  if (logits_routes(deferred, d.table) && n_tokens == 1) return moe_fc2(moe_fc1(x, deferred, ex, glu), deferred, ex);
+  const Routes routes = resolve_routes(deferred);
   const int min_t = impl_->options.moe_gemm_min_tokens > 0 ? impl_->options.moe_gemm_min_tokens : kMoeGemmMinTokens;
   if (n_tokens < min_t || !d.table.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.

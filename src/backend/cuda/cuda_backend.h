@@ -46,6 +46,9 @@ struct CudaBackendOptions {
   int gemm_ws = -1;
   // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=0 makes it a no-op: a benchmark baseline).
   bool l2_prefetch = true;
+  // add_rms_norm_route at one token defers the expert selection to the MoE kernels (Routes::logits;
+  // NIBBLE_DEFER_ROUTES=0: the norm_route kernel selects them, a benchmark baseline).
+  bool defer_routes = true;
 };
 
 struct CudaLoadStats {
@@ -87,6 +90,7 @@ class CudaBackend final : public Backend, public WeightFactory {
   Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                            const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
+  Routes resolve_routes(const Routes& r) override;
   NormRoutes add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& router,
                                 const Tensor* router_bias, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
@@ -99,6 +103,7 @@ class CudaBackend final : public Backend, public WeightFactory {
   // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
   // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine. moe_fc2's routes must be complete
   // before the kernel preceding it begins (as after moe_fc1 with the same routes).
+  // Deferred routes (Routes::logits) only where the one-token kernels take them (one token, FP4 experts).
   Tensor moe_fc1(const Tensor& x, const Routes& routes, const MoeExperts& experts, const GluParams& glu);
   Tensor moe_fc2(const Tensor& act, const Routes& routes, const MoeExperts& experts);
 
