@@ -180,6 +180,16 @@ class Backend {
   // and kv_write in turn.
   virtual Tensor qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                                    const BatchInfo& b) = 0;
+  // An attention block's head: h = add_rms_norm(x, y, norm, eps) (x += y; y empty: rms_norm(x) alone), then
+  // qkv_rope_kv_write(linear(h, qkv, qkv_bias), p, cache, layer, b): returns q. The same numbers as those
+  // ops in turn, which is what this default does; the CUDA backend runs it as one kernel at one token, where
+  // x may move to another buffer (the sum is written beside the old one).
+  virtual Tensor norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& qkv,
+                                        const Tensor* qkv_bias, const QkvParams& p, KvCache& cache, int layer,
+                                        const BatchInfo& b) {
+    const Tensor h = y.empty() ? rms_norm(x, norm, eps) : add_rms_norm(x, y, norm, eps);
+    return qkv_rope_kv_write(linear(h, qkv, qkv_bias), p, cache, layer, b);
+  }
   virtual Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) = 0;
   // An MoE block's head: h = add_rms_norm(x, y, norm, eps) (x += y; y empty: rms_norm(x) alone), routes =
   // moe_route(linear(h, router, router_bias), top_k, kind, renormalize). The same numbers as those ops in

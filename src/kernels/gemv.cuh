@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/qkv_rope.cuh"
 
 namespace nb::cuda {
 
@@ -28,6 +29,28 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 // otherwise. NIBBLE_FP4_STREAM=0 turns them off (benchmark knob; the tests' second run).
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               bool fp16_acts, cudaStream_t s);
+
+// An attention block's head at one token in one launch (gemv_fp4_stream.cu): h = rms_norm(x + y) * norm_w
+// (y null: rms_norm(x); else block 0 writes x + y to x_out, another buffer), qkv = w h + bias, then as
+// launch_qkv_rope_kv_write without q/k norms: RoPE on q and k, k and v into the cache slot of the token's
+// position, q [n_heads, head_dim] to q_out. w: FP4 on the row-streaming path, [(nh + 2 nkv) hd, d];
+// one fp16 per activation only (CudaBackendOptions::gemm_fp16_activations).
+struct QkvHeadArgs {
+  const float* x = nullptr;  // [d]
+  const float* y = nullptr;  // [d] or null
+  const float* norm_w = nullptr;
+  float eps = 1e-5f;
+  float* x_out = nullptr;
+  const float* bias = nullptr;  // [(nh + 2 nkv) hd] or null
+  QkvRopeShape s;
+  DevBatch b;  // one token
+  KvKind kv = KvKind::kBF16;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  float* q_out = nullptr;
+};
+bool qkv_head_stream_supports(const DevWeight& w, const QkvRopeShape& s, bool fp16_acts);
+void launch_qkv_head_stream(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s);
 
 enum class Glu : uint8_t { kSiluInterleaved, kSiluHalves, kGptOssInterleaved, kGptOssHalves };
 

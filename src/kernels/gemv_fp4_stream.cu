@@ -30,6 +30,7 @@
 // overlap the activation staging; so does FC2, whose routes are older than FC1 (launch_moe_fc2's
 // contract), with its experts' descriptors.
 
+#include "backend/backend.h"  // kKvBlock
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemv.cuh"
 #include "kernels/route.cuh"
@@ -424,6 +425,193 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
 }
 
+// ---- Attention head at one token: h = rms_norm(x + y) * norm_w, qkv = w h + bias, RoPE on q and k, k and v
+// into the cache, q out: add_rms_norm, linear and qkv_rope_kv_write in one launch (QkvHeadArgs) ----
+// A unit pairs the rows RoPE rotates together, (i, i + head_dim / 2) of a q or k head, so that the lane
+// finishing it holds both; v rows pair as (2 j, 2 j + 1).
+template <WKind K>
+struct QkvOp {
+  static constexpr bool kLoadAlways = false;  // (walk)
+  const DevWeight& w;
+  const QkvHeadArgs& a;
+  float unscale;
+  int n_pairs, stride, qk_pairs, half;
+  int pos;       // the token's position
+  int64_t slot;  // its cache slot
+  __device__ int xrow() const { return 0; }
+  __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, 0}; }
+  __device__ void pair_rows(int p, int& ra, int& rb) const {
+    if (p < qk_pairs) {
+      ra = p / half * a.s.head_dim + p % half, rb = ra + half;
+    } else {
+      ra = 2 * p, rb = ra + 1;  // (nh + nkv) hd + 2 (p - qk_pairs)
+    }
+  }
+  __device__ Rows rows(Unit u) const {
+    int ra, rb;
+    pair_rows(u.p, ra, rb);
+    if (w.n_parts == 1) return lane_rows<K>(w.part[0], ra, w.part[0], rb, w.k);
+    const DevPart& pa = find_part(w, ra);
+    const DevPart& pb = find_part(w, rb);
+    return lane_rows<K>(pa, ra, pb, rb, w.k);
+  }
+  __device__ float2 epilogue(Unit u) const {
+    if (!a.bias) return make_float2(0.0f, 0.0f);
+    int ra, rb;
+    pair_rows(u.p, ra, rb);
+    return make_float2(__ldg(a.bias + ra), __ldg(a.bias + rb));
+  }
+  __device__ void store_kv(void* cache, int64_t i, float v) const {
+    switch (a.kv) {
+      case KvKind::kF32:
+        static_cast<float*>(cache)[i] = v;
+        break;
+      case KvKind::kBF16:
+        static_cast<uint16_t*>(cache)[i] = KvElem<KvKind::kBF16>::enc(v);
+        break;
+      case KvKind::kFP8:
+        static_cast<uint8_t*>(cache)[i] = KvElem<KvKind::kFP8>::enc(v);
+        break;
+    }
+  }
+  __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
+    if ((threadIdx.x & 31) != 0) return;
+    int ra, rb;
+    pair_rows(u.p, ra, rb);
+    int la = ra, lb = rb;
+    const float pa = w.n_parts == 1 ? fp4_post(K, w.part[0]) : fp4_post(K, find_part(w, la));
+    const float pb = w.n_parts == 1 ? fp4_post(K, w.part[0]) : fp4_post(K, find_part(w, lb));
+    // linear's value, then qkv_rope's expressions (the numbers of the separate ops)
+    const float ya = v0 * unscale * pa + b.x, yb = v1 * unscale * pb + b.y;
+    const QkvRopeShape& s = a.s;
+    const int hd = s.head_dim, nkv = s.n_kv_heads;
+    if (u.p >= qk_pairs) {
+      const int64_t base = slot * nkv * hd + (ra - (s.n_heads + nkv) * hd);  // v head and element
+      store_kv(a.v_cache, base, ya);
+      store_kv(a.v_cache, base + 1, yb);
+      return;
+    }
+    const int head = u.p / half, d = u.p % half;
+    const float angle = static_cast<float>(pos) * __ldg(s.inv_freq + d);
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    cs *= s.attention_scale;
+    sn *= s.attention_scale;
+    const float y1 = ya * cs - yb * sn, y2 = yb * cs + ya * sn;
+    if (head < s.n_heads) {
+      a.q_out[head * hd + d] = y1;
+      a.q_out[head * hd + d + half] = y2;
+    } else {
+      const int64_t base = (slot * nkv + (head - s.n_heads)) * hd + d;
+      store_kv(a.k_cache, base, y1);
+      store_kv(a.k_cache, base + half, y2);
+    }
+  }
+};
+
+// Staging of h = rms_norm(x + y) * norm_w (one row of k <= kMaxK): thread i holds octets i + blockDim j of the
+// padded row (kNormHold of them); nw, this thread's norm weights, were loaded before the wait. The sum of
+// squares adds per-warp partials in warp order (deterministic), the maxima as stage_max. Block 0 writes
+// x + y to x_out.
+constexpr int kMaxK = 4096;  // (shape_ok: k <= kMaxChunks chunks)
+constexpr int kNormHold = kMaxK / 8 / kBlockThreads;
+struct NormShared {
+  float partial[kWarps];
+};
+__device__ __forceinline__ void load_norm_weights(const float* norm_w, int k, float (&nw)[kNormHold][8]) {
+#pragma unroll
+  for (int j = 0; j < kNormHold; ++j) {
+    int i, e, word;
+    octet_at(threadIdx.x + j * blockDim.x, k, i, e, word);
+    load_octet(norm_w, 0, 0, i == 0 ? e : k, k, nw[j]);  // (past the row: zeros)
+  }
+}
+__device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormHold][8], StageShared& ss,
+                           NormShared& ns, uint4* planes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float v[kNormHold][8];
+  float sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormHold; ++j) {
+    int i, e, word;
+    octet_at(threadIdx.x + j * blockDim.x, k, i, e, word);
+    const int at = i == 0 ? e : k;  // (past the row: zeros)
+    load_octet(a.x, 0, 0, at, k, v[j]);
+    if (a.y) {
+      float t[8];
+      load_octet(a.y, 0, 0, at, k, t);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) v[j][q] += t[q];
+      if (a.x_out && blockIdx.x == 0 && at < k) {
+        float4* o = reinterpret_cast<float4*>(a.x_out + at);
+        o[0] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+        o[1] = make_float4(v[j][4], v[j][5], v[j][6], v[j][7]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) sq += v[j][q] * v[j][q];
+  }
+  sq = warp_sum(sq);
+  if (lane == 0) ns.partial[warp] = sq;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) total += ns.partial[i];
+  const float inv = rsqrtf(total / static_cast<float>(k) + a.eps);
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormHold; ++j) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[j][q] = nw[j][q] * (v[j][q] * inv);  // rms_norm's expression
+    m = fmaxf(m, octet_max(v[j]));
+  }
+  m = warp_max(m);
+  if (lane == 0) atomicMax(&ss.row_max[0], __float_as_uint(m));
+  __syncthreads();
+  stage_scales(1, ss);
+  __syncthreads();
+  const float p = ss.pre[0];
+#pragma unroll
+  for (int j = 0; j < kNormHold; ++j) {
+    const int f = threadIdx.x + j * blockDim.x;
+    if (f >= n_chunks(k) * kChunk / 8) continue;
+    int i, e, word;
+    octet_at(f, k, i, e, word);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[j][q] *= p;
+    uint4 hi, lo;
+    split_octet(v[j], hi, lo);
+    planes[word] = hi;
+  }
+  __syncthreads();
+}
+
+template <WKind K, int NC>
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    stream_qkv_kernel(const __grid_constant__ DevWeight w, const __grid_constant__ QkvHeadArgs a) {
+  extern __shared__ uint4 planes[];
+  __shared__ StageShared ss;
+  __shared__ NormShared ns;
+  stage_zero(ss);
+  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  const int half = a.s.head_dim / 2, qk_pairs = (a.s.n_heads + a.s.n_kv_heads) * half;
+  QkvOp<K> op{w, a, 0.0f, qk_pairs + a.s.n_kv_heads * half, static_cast<int>(gridDim.x) * nw, qk_pairs, half, 0, 0};
+  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
+  const Unit first{p0, 0, 0};
+  // Before the wait: the first unit's weights, the norm weights, and where the token goes (batch metadata is
+  // uploaded before the step's first kernel; read through L2, see pdl_wait).
+  Item cur[NC];
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
+  float nwv[kNormHold][8];
+  load_norm_weights(a.norm_w, w.k, nwv);
+  op.pos = __ldcg(a.b.positions);
+  op.slot = static_cast<int64_t>(__ldcg(a.b.tables + static_cast<int64_t>(__ldcg(a.b.seq_of)) * a.b.table_stride +
+                                        op.pos / kKvBlock)) * kKvBlock + op.pos % kKvBlock;
+  pdl_wait();
+  stage_norm(a, w.k, nwv, ss, ns, planes);
+  op.unscale = ss.unscale[0];
+  if (first.p < op.n_pairs) walk<K, NC, false>(op, w.k, planes, first, cur);
+}
+
 __device__ __forceinline__ float map_bias(const RowMap& m, int r) { return m.bias ? __ldg(m.bias + r * m.step) : 0.0f; }
 __device__ __forceinline__ Rows map_rows(const RowMap& a, int ra, const RowMap& b, int rb, int lane_scale_bytes) {
   const int lane = threadIdx.x & 31;
@@ -712,6 +900,22 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, boo
 }
 
 template <WKind K>
+void qkv_head(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s) {
+  const size_t smem = stage_bytes(1, w.k);
+  auto go = [&](auto kernel) {
+    const int warps = device().warps;
+    const int pairs = (a.s.n_heads + 2 * a.s.n_kv_heads) * a.s.head_dim / 2;
+    launch_pdl(kernel, grid_for(kernel, warps, smem, pairs), warps * 32, smem, s, w, a);
+  };
+  switch (n_chunks(w.k)) {
+    case 1: return go(stream_qkv_kernel<K, 1>);
+    case 2: return go(stream_qkv_kernel<K, 2>);
+    case 3: return go(stream_qkv_kernel<K, 3>);
+    default: return go(stream_qkv_kernel<K, 4>);
+  }
+}
+
+template <WKind K>
 void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu glu, float limit,
          float* act, bool split, cudaStream_t s) {
   // Every warp the same number of row-pair units, on as many SMs as that allows: the fewest warps per block
@@ -773,6 +977,21 @@ bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, con
   else
     linear<WKind::kNVFP4>(w, x, bias, y, !fp16_acts, s);
   return true;
+}
+
+bool qkv_head_stream_supports(const DevWeight& w, const QkvRopeShape& s, bool fp16_acts) {
+  return enabled() && fp16_acts && fp4(w.kind) && aligned(w) && !s.q_norm && !s.k_norm && s.head_dim % 2 == 0 &&
+         w.n == (s.n_heads + 2 * s.n_kv_heads) * s.head_dim && w.k % 8 == 0;
+}
+
+void launch_qkv_head_stream(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s) {
+  NB_CHECK(qkv_head_stream_supports(w, a.s, true) && a.x && a.norm_w && a.b.n_tokens == 1 && (!a.y || a.x_out != a.x),
+           "qkv_head: unsupported weight or head layout");
+  if (w.kind == WKind::kMXFP4)
+    qkv_head<WKind::kMXFP4>(w, a, s);
+  else
+    qkv_head<WKind::kNVFP4>(w, a, s);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 // Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the

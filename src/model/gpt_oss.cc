@@ -54,21 +54,24 @@ class GptOss final : public Model {
     for (int l = 0; l < c.n_layers; ++l) {
       const Layer& L = layers_[l];
       const AttentionParams attn{1.0f / std::sqrt(static_cast<float>(hd)), window(l), &L.attn.sinks};
-      // The previous block's output joins the residual stream inside the norm (the embedding starts it).
-      Tensor h = l == 0 ? be.rms_norm(x, L.attn.norm, c.rms_norm_eps) : be.add_rms_norm(x, y, L.attn.norm, c.rms_norm_eps);
-      Tensor qkv = be.linear(h, L.attn.qkv, optional(L.attn.qkv_bias));  // [T, (nh + 2 nkv) * hd]
-      if (T == 1) be.prefetch(L.attn.o);  // decode: RoPE and attention leave DRAM idle
+      // The previous block's output joins the residual stream inside the norm (the embedding starts it); the
+      // norm, the QKV projection [T, (nh + 2 nkv) * hd], RoPE and the K/V write: q [T, nh, hd].
       const QkvParams qp{static_cast<int>(nh), static_cast<int>(nkv), static_cast<int>(hd), nullptr, nullptr,
                          c.rms_norm_eps, &rope_};
-      Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
+      Tensor q = be.norm_qkv_rope_kv_write(x, l == 0 ? Tensor() : y, L.attn.norm, c.rms_norm_eps, L.attn.qkv,
+                                           optional(L.attn.qkv_bias), qp, cache, l, b);
       Tensor a = be.attention(q, cache, l, b, attn).view({T, nh * hd});
       Tensor o = be.linear(a, L.attn.o, optional(L.attn.o_bias));
       // x += o, h = its norm, and the top-k of the router's logits for h, in one op.
       NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, &L.router_bias, c.top_k,
                                            RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
       y = be.moe_experts(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit});
-      // Decode: the next QKV projection's weights stream into L2 alongside FC2, which leaves DRAM half idle.
-      if (T == 1 && l + 1 < c.n_layers) be.prefetch(layers_[l + 1].attn.qkv);
+      // Decode: the next attention projections' weights stream into L2 alongside FC2, which leaves DRAM half
+      // idle (O's prefetch after the QKV kernel instead sat between it and attention, measured).
+      if (T == 1 && l + 1 < c.n_layers) {
+        be.prefetch(layers_[l + 1].attn.qkv);
+        be.prefetch(layers_[l + 1].attn.o);
+      }
     }
     x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
     x = be.gather_rows(x, b.logit_rows);

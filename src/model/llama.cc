@@ -47,15 +47,15 @@ class Llama final : public Model {
     Tensor y;                            // the last block's output, not yet added to x
     for (int l = 0; l < c.n_layers; ++l) {
       const Layer& L = layers_[l];
-      // The previous block's output joins the residual stream inside the norm (the embedding starts it).
-      Tensor h = l == 0 ? be.rms_norm(x, L.attn.norm, c.rms_norm_eps) : be.add_rms_norm(x, y, L.attn.norm, c.rms_norm_eps);
-      Tensor qkv = be.linear(h, L.attn.qkv, optional(L.attn.qkv_bias));  // [T, (nh + 2 nkv) * hd]
+      // The previous block's output joins the residual stream inside the norm (the embedding starts it); the
+      // norm, the QKV projection [T, (nh + 2 nkv) * hd], RoPE and the K/V write: q [T, nh, hd].
       const QkvParams qp{static_cast<int>(nh), static_cast<int>(nkv), static_cast<int>(hd), nullptr, nullptr,
                          c.rms_norm_eps, &rope_};
-      Tensor q = be.qkv_rope_kv_write(qkv, qp, cache, l, b);  // q [T, nh, hd]; k, v into the cache
+      Tensor q = be.norm_qkv_rope_kv_write(x, l == 0 ? Tensor() : y, L.attn.norm, c.rms_norm_eps, L.attn.qkv,
+                                           optional(L.attn.qkv_bias), qp, cache, l, b);
       Tensor a = be.attention(q, cache, l, b, attn).view({T, nh * hd});
       Tensor o = be.linear(a, L.attn.o, optional(L.attn.o_bias));
-      h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
+      Tensor h = be.add_rms_norm(x, o, L.mlp_norm, c.rms_norm_eps);
       Tensor gate = be.linear(h, L.mlp.gate, nullptr);
       Tensor up = be.linear(h, L.mlp.up, nullptr);
       y = be.linear(be.swiglu(gate, up), L.mlp.down, nullptr);

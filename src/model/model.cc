@@ -53,8 +53,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // backend's choice), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher), NIBBLE_ATTN_KEYS
   // (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA (the 2..8-token tensor-core
   // FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
-  // (CudaBackendOptions::l2_prefetch) and NIBBLE_DEFER_ROUTES (::defer_routes). (Values unused in a CPU-only
-  // build.)
+  // (CudaBackendOptions::l2_prefetch), NIBBLE_DEFER_ROUTES (::defer_routes) and NIBBLE_FUSED_HEAD
+  // (::fused_head). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
@@ -65,6 +65,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_WGMMA", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* l2_prefetch, env_choice("NIBBLE_L2_PREFETCH", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* defer_routes, env_choice("NIBBLE_DEFER_ROUTES", "0", "1"));
+  NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fused_head, env_choice("NIBBLE_FUSED_HEAD", "0", "1"));
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).
@@ -91,6 +92,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     if (gemm_ws) co.gemm_ws = std::string(gemm_ws) == "1" ? 1 : 0;
     if (l2_prefetch) co.l2_prefetch = std::string(l2_prefetch) == "1";
     if (defer_routes) co.defer_routes = std::string(defer_routes) == "1";
+    if (fused_head) co.fused_head = std::string(fused_head) == "1";
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {

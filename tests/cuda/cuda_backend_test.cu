@@ -118,10 +118,10 @@ class CudaOps : public ::testing::Test {
   // The backend under test, with hi + lo activations in the FP4 tensor-core kernels (the bounds below are
   // fp32 summation's) or, for the tests of the one-token kernels' second mode, one fp16 per activation
   // (CudaBackendOptions::gemm_fp16_activations, the default in use). Weights are uploaded per backend.
-  bool make_gpu(bool fp16_acts) {
+  bool make_gpu(bool fp16_acts, DType kv_cache = DType::kF32) {
     CudaBackendOptions o;
     o.poison = true;
-    o.kv_cache_dtype = DType::kF32;
+    o.kv_cache_dtype = kv_cache;
     o.gemm_fp16_activations = fp16_acts;
     auto g = CudaBackend::create(o);
     if (!g.ok()) return false;
@@ -763,6 +763,70 @@ TEST_F(CudaOps, QkvRopeKvWrite) {
           const float rel = kv == DType::kF32 ? 0.0f : kv == DType::kBF16 ? 1.0f / 256 : 1.0f / 16;
           const float abs_floor = kv == DType::kF8_E4M3 ? 1.0f / 512 : 0.0f;
           for (size_t i = 0; i < cw.size(); ++i) tol[i] = 1e-4f + rel * std::abs(cw[i]) + abs_floor;
+          expect_close(cw, gw, tol, what + (kv_i ? " v cache" : " k cache"));
+        }
+      }
+    }
+  }
+}
+
+// The attention head in one kernel at one token (norm_qkv_rope_kv_write: add + RMSNorm, the FP4 QKV
+// projection with its bias, RoPE, the K/V write; gemv_fp4_stream.cu) against the CPU's ops in turn: MXFP4
+// (one part) and NVFP4 (q, k, v parts), with and without the residual add, F32 / BF16 / FP8 caches. A second
+// call with the fused head off (the three CUDA ops) must give the same cache slots to rounding.
+TEST_F(CudaOps, NormQkvRopeOneToken) {
+  const int nh = 8, nkv = 2, hd = 64, d = 2880, n_blocks = 4, n = (nh + 2 * nkv) * hd;
+  RopeConfig yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.theta = 150000, yarn.factor = 32, yarn.truncate = false, yarn.original_max_position_embeddings = 4096;
+  const RopeTable rope = make_rope_table(yarn, hd);
+  BatchInfo b;  // position 37: block 2 of the sequence's table, physical block 3
+  b.tokens = {1}, b.positions = {37}, b.seq_of = {0};
+  b.seqs = {SeqInfo{0, 1, 37, {1, 0, 3}}};
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kF8_E4M3}) {
+    ASSERT_TRUE(make_gpu(true, kv));  // (one fp16 per activation: the fused kernel's only mode)
+    for (WeightFormat f : {WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
+      for (bool residual : {false, true}) {
+        const std::string what = "kv " + std::string(dtype_name(kv)) + " " + std::string(weight_format_name(f)) +
+                                 (residual ? " residual" : "");
+        const Weight w = make_weight(hb_, f, n, d, f == WeightFormat::kNVFP4 ? 3 : 1);
+        upload(w);
+        const std::vector<float> x = randn(d, 3.0f), y = randn(d), nw = randn(d), bias = randn(n);
+        const Tensor cb = cpu_t(bias, {n}), gb = gpu_t(bias, {n});
+        const QkvParams qp{nh, nkv, hd, nullptr, nullptr, 1e-5f, &rope};
+        auto cc = cpu_.new_kv_cache(1, n_blocks, nkv, hd);
+        auto gc = gpu_->new_kv_cache(1, n_blocks, nkv, hd);
+        Tensor cx = cpu_t(x, {1, d}), gx = gpu_t(x, {1, d});
+        const Tensor cy = residual ? cpu_t(y, {1, d}) : Tensor(), gy = residual ? gpu_t(y, {1, d}) : Tensor();
+        const std::vector<float> want =
+            cpu_.to_host(cpu_.norm_qkv_rope_kv_write(cx, cy, cpu_t(nw, {d}), 1e-5f, w, &cb, qp, *cc, 0, b));
+        const std::vector<float> got =
+            gpu_->to_host(gpu_->norm_qkv_rope_kv_write(gx, gy, gpu_t(nw, {d}), 1e-5f, w, &gb, qp, *gc, 0, b));
+        expect_close(cpu_.to_host(cx), gpu_->to_host(gx), {0.0f}, "x + y, " + what);
+        // Bounds: the linear's (one fp16 per activation: 2^-11 relative, as the stream GEMV tests) on the qkv
+        // rows, through RoPE (|cos|, |sin| <= the attention scale) onto each output pair.
+        Tensor h = residual ? cpu_t(x, {1, d}) : Tensor();
+        const Tensor hn = residual ? cpu_.add_rms_norm(h, cy, cpu_t(nw, {d}), 1e-5f)
+                                   : cpu_.rms_norm(cpu_t(x, {1, d}), cpu_t(nw, {d}), 1e-5f);
+        const std::vector<float> lt = linear_tol(cpu_.to_host(hn), w, 1, 0x1p-11);
+        const float as = rope.attention_scale;
+        auto pair_tol = [&](int row) {  // row of qkv -> the bound of its rotated value
+          const int head = row / hd, i = row % hd, a = head * hd + i % (hd / 2);
+          return as * (lt[a] + lt[a + hd / 2]) + 1e-4f;
+        };
+        std::vector<float> qtol(nh * hd);
+        for (int r = 0; r < nh * hd; ++r) qtol[r] = pair_tol(r);
+        expect_close(want, got, qtol, "q, " + what);
+        const float rel = kv == DType::kF32 ? 0.0f : kv == DType::kBF16 ? 1.0f / 256 : 1.0f / 16;
+        const float floor = kv == DType::kF8_E4M3 ? 1.0f / 512 : 0.0f;
+        for (int kv_i = 0; kv_i < 2; ++kv_i) {
+          const std::vector<float> cw = cpu_.to_host(kv_i ? cc->v[0] : cc->k[0]);
+          const std::vector<float> gw = cache_floats(kv_i ? gc->v[0] : gc->k[0]);
+          std::vector<float> tol(cw.size());
+          for (size_t i = 0; i < cw.size(); ++i) {
+            const int row = static_cast<int>(i % (nkv * hd)) + (nh + kv_i * nkv) * hd;  // the slot's qkv row
+            tol[i] = (kv_i ? lt[row] + 1e-4f : pair_tol(row)) + rel * std::abs(cw[i]) + floor;
+          }
           expect_close(cw, gw, tol, what + (kv_i ? " v cache" : " k cache"));
         }
       }

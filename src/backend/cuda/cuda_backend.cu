@@ -590,6 +590,20 @@ void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Ten
                         v.data<float>(), db, static_cast<int>(k.dim(1)), static_cast<int>(k.dim(2)), impl_->stream);
 }
 
+// The head layout, norms and RoPE table of QkvParams on the device.
+static cuda::QkvRopeShape qkv_shape(CudaBackend& be, CudaBackend::Impl& I, const QkvParams& p) {
+  cuda::QkvRopeShape s;
+  s.n_heads = p.n_heads;
+  s.n_kv_heads = p.n_kv_heads;
+  s.head_dim = p.head_dim;
+  s.q_norm = p.q_norm ? p.q_norm->data<float>() : nullptr;
+  s.k_norm = p.k_norm ? p.k_norm->data<float>() : nullptr;
+  s.eps = p.eps;
+  s.inv_freq = p.rope ? rope_table(be, I, *p.rope) : nullptr;
+  s.attention_scale = p.rope ? p.rope->attention_scale : 1.0f;
+  return s;
+}
+
 Tensor CudaBackend::qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvCache& cache, int layer,
                                       const BatchInfo& b) {
   check_f32(qkv, "qkv_rope_kv_write");
@@ -601,19 +615,47 @@ Tensor CudaBackend::qkv_rope_kv_write(const Tensor& qkv, const QkvParams& p, KvC
                std::to_string(p.n_kv_heads) + " heads of " + std::to_string(hd) + ", cache " + shape_string(kc.shape));
   NB_CHECK((!p.q_norm || p.q_norm->numel() == hd) && (!p.k_norm || p.k_norm->numel() == hd),
            "qkv_rope_kv_write: q/k norm weights must have head_dim elements");
-  cuda::QkvRopeShape s;
-  s.n_heads = p.n_heads;
-  s.n_kv_heads = p.n_kv_heads;
-  s.head_dim = p.head_dim;
-  s.q_norm = p.q_norm ? p.q_norm->data<float>() : nullptr;
-  s.k_norm = p.k_norm ? p.k_norm->data<float>() : nullptr;
-  s.eps = p.eps;
-  s.inv_freq = rope_table(*this, *impl_, *p.rope);
-  s.attention_scale = p.rope->attention_scale;
+  const cuda::QkvRopeShape s = qkv_shape(*this, *impl_, p);
   const cuda::DevBatch& db = impl_->batch(b);
   Tensor q = alloc(DType::kF32, {T, p.n_heads, hd});
   cuda::launch_qkv_rope_kv_write(kv_kind_of(kc.dtype), qkv.data<float>(), s, db, kc.data<uint8_t>(),
                                  cache.v[layer].data<uint8_t>(), q.data<float>(), impl_->stream);
+  return q;
+}
+
+Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& w,
+                                           const Tensor* bias, const QkvParams& p, KvCache& cache, int layer,
+                                           const BatchInfo& b) {
+  check_f32(x, "norm_qkv_rope_kv_write");
+  const Tensor& kc = cache.k[layer];
+  const cuda::DevWeight dw = impl_->dev_weight(w);
+  const int64_t d = x.dim(-1), hd = p.head_dim;
+  const bool fits = x.rank() == 2 && x.dim(0) == 1 && b.n_tokens() == 1 && dw.k == d && norm.numel() == d &&
+                    (y.empty() || y.numel() == d) && (!bias || bias->numel() == w.n) && p.rope &&
+                    static_cast<int64_t>(p.rope->inv_freq.size()) == hd / 2 && kc.dim(2) == p.n_kv_heads &&
+                    kc.dim(3) == hd;
+  const cuda::QkvRopeShape s = qkv_shape(*this, *impl_, p);
+  if (!impl_->options.decode_fusion || !impl_->options.fused_head || !fits ||
+      !cuda::qkv_head_stream_supports(dw, s, impl_->options.gemm_fp16_activations))
+    return Backend::norm_qkv_rope_kv_write(x, y, norm, eps, w, bias, p, cache, layer, b);
+  if (!y.empty()) check_f32(y, "norm_qkv_rope_kv_write");
+  Tensor x_new = y.empty() ? Tensor() : alloc(DType::kF32, x.shape);
+  Tensor q = alloc(DType::kF32, {1, p.n_heads, hd});
+  cuda::QkvHeadArgs a;
+  a.x = x.data<float>();
+  a.y = y.empty() ? nullptr : y.data<float>();
+  a.norm_w = norm.data<float>();
+  a.eps = eps;
+  a.x_out = y.empty() ? nullptr : x_new.data<float>();
+  a.bias = bias ? bias->data<float>() : nullptr;
+  a.s = s;
+  a.b = impl_->batch(b);
+  a.kv = kv_kind_of(kc.dtype);
+  a.k_cache = kc.data<uint8_t>();
+  a.v_cache = cache.v[layer].data<uint8_t>();
+  a.q_out = q.data<float>();
+  cuda::launch_qkv_head_stream(dw, a, impl_->stream);
+  if (!y.empty()) x = x_new;
   return q;
 }
 

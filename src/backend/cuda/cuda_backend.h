@@ -49,6 +49,9 @@ struct CudaBackendOptions {
   // add_rms_norm_route at one token defers the expert selection to the MoE kernels (Routes::logits;
   // NIBBLE_DEFER_ROUTES=0: the norm_route kernel selects them, a benchmark baseline).
   bool defer_routes = true;
+  // norm_qkv_rope_kv_write at one token (FP4 QKV, no q/k norms, one fp16 per activation) as one kernel
+  // (NIBBLE_FUSED_HEAD=0: the three ops, a benchmark baseline). Also off without decode_fusion.
+  bool fused_head = true;
 };
 
 struct CudaLoadStats {
@@ -91,6 +94,9 @@ class CudaBackend final : public Backend, public WeightFactory {
                            const BatchInfo& b) override;
   Routes moe_route(const Tensor& logits, int top_k, RouterKind kind, bool renormalize) override;
   Routes resolve_routes(const Routes& r) override;
+  Tensor norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& qkv,
+                                const Tensor* qkv_bias, const QkvParams& p, KvCache& cache, int layer,
+                                const BatchInfo& b) override;
   NormRoutes add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps, const Weight& router,
                                 const Tensor* router_bias, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
