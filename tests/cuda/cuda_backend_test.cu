@@ -522,6 +522,15 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       cudaDeviceSynchronize();
       cudaMemcpy(dids.data(), dr.ids.data<int32_t>(), dids.size() * 4, cudaMemcpyDeviceToHost);
       for (int i = 0; i < top_k; ++i) ASSERT_EQ(gids[i], dids[i]) << "id " << i << " written by FC1, " << what;
+      if (kind == RouterKind::kSoftmaxThenTopK) {  // qwen3_moe's renormalized routes, deferred and not
+        const Routes rr = gpu_->moe_route(gpu_t(logits, {1, E}), top_k, kind, true);
+        const Routes dr2{gpu_->alloc(DType::kI32, {1, top_k}), gpu_->alloc(DType::kF32, {1, top_k}),
+                         gpu_t(logits, {1, E}), kind, true};
+        expect_close(gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), rr, gex, glu)),
+                     gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), dr2, gex, glu)), {0.0f},
+                     "renormalized, " + what);
+        expect_close(gpu_->to_host(rr.weights), gpu_->to_host(dr2.weights), {0.0f}, "renormalized weights, " + what);
+      }
     }
   }
 }
@@ -772,23 +781,28 @@ TEST_F(CudaOps, QkvRopeKvWrite) {
 
 // The attention head in one kernel at one token (norm_qkv_rope_kv_write: add + RMSNorm, the FP4 QKV
 // projection with its bias, RoPE, the K/V write; gemv_fp4_stream.cu) against the CPU's ops in turn: MXFP4
-// (one part) and NVFP4 (q, k, v parts), with and without the residual add, F32 / BF16 / FP8 caches. A second
-// call with the fused head off (the three CUDA ops) must give the same cache slots to rounding.
+// (one part) and NVFP4 (q, k, v parts), with and without the residual add, F32 / BF16 / FP8 caches; gpt-oss's
+// head shape (head_dim 64, d 2880: three 1024-element chunks, the last partial) and Llama's (head_dim 128,
+// d 4096: four chunks).
 TEST_F(CudaOps, NormQkvRopeOneToken) {
-  const int nh = 8, nkv = 2, hd = 64, d = 2880, n_blocks = 4, n = (nh + 2 * nkv) * hd;
-  RopeConfig yarn;
-  yarn.type = RopeType::kYarn;
-  yarn.theta = 150000, yarn.factor = 32, yarn.truncate = false, yarn.original_max_position_embeddings = 4096;
-  const RopeTable rope = make_rope_table(yarn, hd);
-  BatchInfo b;  // position 37: block 2 of the sequence's table, physical block 3
-  b.tokens = {1}, b.positions = {37}, b.seq_of = {0};
-  b.seqs = {SeqInfo{0, 1, 37, {1, 0, 3}}};
+  struct Shape {
+    int nh, nkv, hd, d;
+  };
+  for (const Shape sh : {Shape{8, 2, 64, 2880}, Shape{4, 2, 128, 4096}})
   for (DType kv : {DType::kF32, DType::kBF16, DType::kF8_E4M3}) {
+    const int nh = sh.nh, nkv = sh.nkv, hd = sh.hd, d = sh.d, n_blocks = 4, n = (nh + 2 * nkv) * hd;
+    RopeConfig yarn;
+    yarn.type = RopeType::kYarn;
+    yarn.theta = 150000, yarn.factor = 32, yarn.truncate = false, yarn.original_max_position_embeddings = 4096;
+    const RopeTable rope = make_rope_table(yarn, hd);
+    BatchInfo b;  // position 37: block 2 of the sequence's table, physical block 3
+    b.tokens = {1}, b.positions = {37}, b.seq_of = {0};
+    b.seqs = {SeqInfo{0, 1, 37, {1, 0, 3}}};
     ASSERT_TRUE(make_gpu(true, kv));  // (one fp16 per activation: the fused kernel's only mode)
     for (WeightFormat f : {WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
       for (bool residual : {false, true}) {
-        const std::string what = "kv " + std::string(dtype_name(kv)) + " " + std::string(weight_format_name(f)) +
-                                 (residual ? " residual" : "");
+        const std::string what = "hd " + std::to_string(hd) + ", kv " + std::string(dtype_name(kv)) + " " +
+                                 std::string(weight_format_name(f)) + (residual ? " residual" : "");
         const Weight w = make_weight(hb_, f, n, d, f == WeightFormat::kNVFP4 ? 3 : 1);
         upload(w);
         const std::vector<float> x = randn(d, 3.0f), y = randn(d), nw = randn(d), bias = randn(n);
