@@ -8,6 +8,7 @@
 #   NIBBLE_SKIP_BENCH=1 skips the benchmarks, NIBBLE_BENCHES="kernel tg pp gemm attn" picks them (below);
 #   NIBBLE_CTEST_FILTER=regex runs only matching tests;
 #   NIBBLE_BUILD_DIR (default build-gpu); NIBBLE_TARGETS="a b" builds only those targets (default all)
+# Before/after comparisons of two source trees in one call: scripts/gpu-ab.sh.
 #   --goldens  also re-make the committed goldens with HF transformers / tiktoken / tokenizers and
 #              leave them in $OUT/goldens.tar.gz
 set -uo pipefail

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The same benchmarks from two source trees built side by side on the GPU machine, interleaved, in one call:
+# the before/after comparison bench/NOTES.md trusts. (Numbers from different device calls differ by 1-2 %,
+# and a knob's "off" path is a baseline only when it compiles to the old code: tenth session, NOTES.md.)
+# Here:      bash scripts/gpu-ab.sh --prepare REV   writes ab-base/ (git-ignored) from `git archive REV src bench`
+# Device:    bash scripts/gpu-ab.sh [ROUNDS]        (device tool, carry [".deps", "ab-base"]); ROUNDS default 2
+#   NIBBLE_AB_KERNEL_FILTER  nibble_kernel_bench rows to compare (NIBBLE_BENCH_FILTER; default mxfp4, "" skips)
+#   NIBBLE_AB_E2E_ARGS       nibble_e2e_bench arguments (default: tg128 of both gpt-oss configs, all-MXFP4)
+#   NIBBLE_AB_CTEST          a ctest regex to run on this tree first (it is then built with the tests)
+# Prints, per round, the base tree's rows then this tree's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--prepare" ]; then
+  rev=${2:?usage: bash scripts/gpu-ab.sh --prepare REV}
+  rm -rf ab-base && mkdir ab-base && git archive "$rev" src bench | tar -x -C ab-base &&
+    echo "ab-base/ = $rev ($(git rev-parse --short "$rev")); carry it with .deps"
+  exit $?
+fi
+rounds=${1:-2}
+[ -d ab-base/src ] || { echo "gpu-ab: no ab-base/ (run --prepare REV here and carry it)"; exit 2; }
+OUT=${OUT:-/tmp/nibble-out}
+mkdir -p "$OUT"
+ROOT=$PWD/.deps/root
+mkdir -p "$ROOT"
+for f in .deps/debs/*.deb; do dpkg -x "$f" "$ROOT"; done
+export CMAKE_PREFIX_PATH=$ROOT/usr LD_LIBRARY_PATH=$ROOT/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export CPATH=$ROOT/usr/include:${CPATH:-} PKG_CONFIG_PATH=$ROOT/usr/lib/x86_64-linux-gnu/pkgconfig PKG_CONFIG_SYSROOT_DIR=$ROOT
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+targets=(--target nibble_e2e_bench --target nibble_kernel_bench)
+# The base tree: this one with src/ and bench/ replaced.
+base=/tmp/ab-base-tree
+rm -rf "$base" && mkdir -p "$base"
+tar --exclude=./build-gpu --exclude=./ab-base --exclude=./.deps -cf - . | tar -xf - -C "$base"
+rm -rf "$base/src" "$base/bench" && cp -r ab-base/src ab-base/bench "$base/"
+(cd "$base" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=OFF &&
+   cmake --build b -j8 "${targets[@]}") >"$OUT/ab-base-build.log" 2>&1 &
+base_pid=$!
+tests=OFF
+[ -n "${NIBBLE_AB_CTEST:-}" ] && tests=ON
+(cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=$tests &&
+   if [ $tests = ON ]; then cmake --build build-gpu -j8; else cmake --build build-gpu -j8 "${targets[@]}"; fi) \
+  >"$OUT/ab-build.log" 2>&1
+new_rc=$?
+wait $base_pid
+base_rc=$?
+echo "build: this tree rc=$new_rc, base rc=$base_rc"
+[ $new_rc -eq 0 ] && [ $base_rc -eq 0 ] || { tail -20 "$OUT/ab-build.log" "$OUT/ab-base-build.log"; exit 1; }
+if [ -n "${NIBBLE_AB_CTEST:-}" ]; then
+  ctest --test-dir build-gpu --output-on-failure -j4 -R "$NIBBLE_AB_CTEST" >"$OUT/ab-ctest.log" 2>&1
+  echo "ctest ($NIBBLE_AB_CTEST): rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ab-ctest.log" | tail -1)"
+fi
+filter=${NIBBLE_AB_KERNEL_FILTER-mxfp4}
+if [ -n "${NIBBLE_AB_E2E_ARGS:-}" ]; then
+  read -r -a e2e <<<"$NIBBLE_AB_E2E_ARGS"
+else
+  e2e=(--pp '' --dense-formats mxfp4 configs/gpt-oss-120b configs/gpt-oss-20b)
+fi
+for r in $(seq "$rounds"); do
+  for side in base this; do
+    b=build-gpu
+    [ $side = base ] && b=$base/b
+    echo "== $side, round $r"
+    if [ -n "$filter" ]; then
+      NIBBLE_BENCH_FILTER=$filter "$b"/src/nibble_kernel_bench 2>&1 | grep -E "^\| [a-z]" | grep -v "^| model"
+    fi
+    "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs"
+  done
+done | tee "$OUT/ab.txt"
