@@ -1,5 +1,7 @@
-// Row-streaming FP4 GEMV for one token (decode at batch 1): the linear layers and the MoE expert
-// projections (FC1 + GLU, FC2 + weighted combine), MXFP4 and NVFP4, on the checkpoint layout as it is.
+// Row-streaming FP4 GEMV for one token (decode at batch 1): the linear layers, the attention head (RMSNorm +
+// QKV + RoPE + K/V write, stream_qkv_kernel) and the MoE expert projections (FC1 + GLU, with the router's
+// top-k when the routes are deferred; FC2 + weighted combine), MXFP4 and NVFP4, on the checkpoint layout as
+// it is.
 //
 // Why another kernel (gemv_fp4.cu stays for 2..8 tokens): that one gives each lane 16 bytes of 8 rows
 // in the mma fragment layout, so a warp's load touches 16 rows x 64 bytes; a load-only test on the H200
@@ -23,8 +25,9 @@
 // MMAs and shared-memory loads: H200, lm_head MXFP4 68 -> 81 % of the read bandwidth, tg128 +6 %.
 //
 // Work: a warp walks row pairs (strided over the grid's warps; FC2: the top_k warps of a group take the
-// choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of 2 x 16 code bytes and the scale bytes per lane, NC a
-// template argument (k <= 4096: gpt-oss, Qwen3, Llama-8B attention; longer rows take gemv_fp4.cu). The
+// choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of
+// 2 x 16 code bytes and the scale bytes per lane, NC a template argument (k <= 4096: gpt-oss, Qwen3,
+// Llama-8B attention; longer rows take gemv_fp4.cu). The
 // next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
 // overlap the activation staging; so does FC2, whose routes are older than FC1 (launch_moe_fc2's
