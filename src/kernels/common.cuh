@@ -244,20 +244,10 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// The same with the trigger after the wait, for a kernel whose successor reads before its own wait what
-// our predecessor wrote (launch_moe_fc2's contract: the MoE FC1 kernels): that successor then launches
-// only once our predecessor has completed.
-__device__ __forceinline__ void pdl_wait_then_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-// The two halves, for a kernel that lets its successor launch only after its own prologue: the one-token
-// MoE FC1 with deferred routes (gemv.cuh, RouteLogits), whose block 0 writes the routes and fences them
-// (__threadfence: performed at L2 before the trigger issues) so that FC2 reads them, through L2, before its
-// own wait as launch_moe_fc2's contract lets it.
+// The wait and the trigger apart, for a kernel that lets its successor launch only after its own prologue:
+// the one-token MoE FC1 with deferred routes (gemv.cuh, RouteLogits), whose block 0 writes the routes and
+// fences them (__threadfence: performed at L2 before the trigger issues) so that FC2 reads them, through
+// L2, before its own wait as launch_moe_fc2's contract lets it.
 __device__ __forceinline__ void pdl_wait_only() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -267,6 +257,14 @@ __device__ __forceinline__ void pdl_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// pdl_wait with the trigger after the wait, for a kernel whose successor reads before its own wait what
+// our predecessor wrote (launch_moe_fc2's contract: the MoE FC1 kernels): that successor then launches
+// only once our predecessor has completed.
+__device__ __forceinline__ void pdl_wait_then_launch() {
+  pdl_wait_only();
+  pdl_launch();
 }
 
 template <class... KernelArgs, class... Args>

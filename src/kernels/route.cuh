@@ -12,8 +12,8 @@ inline constexpr int kMaxTopK = 32;
 inline constexpr int kRouteRegExperts = 256;  // route_warp holds up to this many logits in registers
 
 // n logits [n] (global, written by an earlier kernel: read through L2) into shared memory s by one warp,
-// all of a lane's loads in flight at once for n <= kRouteRegExperts (a loop of load-then-store waits one
-// L2 round trip per 32 experts).
+// all of a lane's loads in flight at once for n <= kRouteRegExperts. (Against a load-then-store loop the
+// norm_route kernel's last block measured the same, tenth session: the loop's loads were not the cost.)
 __device__ inline void load_logits_warp(const float* logits, int n, float* s) {
   const int lane = threadIdx.x & 31;
   if (n <= kRouteRegExperts) {
