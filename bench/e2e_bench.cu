@@ -23,6 +23,7 @@
 
 #include "backend/cuda/device.h"
 #include "kernels/bandwidth.cuh"
+#include "stamps.h"  // (bench/)
 #include "model/model.h"
 
 namespace nb {
@@ -262,6 +263,7 @@ void run_decode(const Args& args, double bw) {
       const double roof = bw * 1e9 / bpt;
       std::printf("| %s | %s | %.2f | %.3f | %.1f | %.0f | %.1f%% |\n", dir.c_str(), dense_format_name(dense), ready,
                   bpt / 1e9, tps, roof, 100 * tps / roof);
+      print_stream_stamps("tg last step");  // (measurement builds: the last layer's kernels, then lm_head)
       std::fflush(stdout);
     }
   }

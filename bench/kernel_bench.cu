@@ -6,6 +6,8 @@
 // Usage: nibble_kernel_bench [--quick]
 //   NIBBLE_BENCH_FILTER=text runs only the rows whose "model projection format" contains it (for profilers).
 //   NIBBLE_GEMM_ACTIVATIONS=hi-lo measures the FP4 rows with hi + lo activations (default: one fp16).
+//   NIBBLE_BENCH_WARM=1 uses one weight copy / one expert set: weights that fit stay in L2 between calls,
+//     the bound for weights prefetched into L2 ahead of the kernel (a measurement, not the decode case).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -19,6 +21,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "kernels/bandwidth.cuh"
+#include "stamps.h"  // (bench/)
 
 namespace nb {
 namespace {
@@ -88,6 +91,12 @@ int run(bool quick) {
     return 2;
   }
   o.gemm_fp16_activations = !(acts && std::string(acts) == "hi-lo");
+  const char* warm_env = std::getenv("NIBBLE_BENCH_WARM");
+  if (warm_env && std::string(warm_env) != "0" && std::string(warm_env) != "1") {
+    std::fprintf(stderr, "nibble_kernel_bench: error: NIBBLE_BENCH_WARM=%s: expected 0 or 1\n", warm_env);
+    return 2;
+  }
+  const bool warm = warm_env && std::string(warm_env) == "1";
   auto be = CudaBackend::create(o);
   if (!be.ok()) {
     std::fprintf(stderr, "nibble_kernel_bench: %s\n", be.status().message().c_str());
@@ -122,7 +131,8 @@ int run(bool quick) {
         std::vector<Weight> copies;
         const Weight first = gpu.random_weight(f, p.n, p.k, 0.02f, seed++, p.name);
         const int64_t bytes = first.bytes();
-        const int n_copies = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, 3 * l2 / bytes + 1)));
+        const int n_copies =
+            warm ? 1 : static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, 3 * l2 / bytes + 1)));
         copies.push_back(first);
         for (int c = 1; c < n_copies; ++c) copies.push_back(gpu.random_weight(f, p.n, p.k, 0.02f, seed++, p.name));
         const std::vector<float> xh(p.k, 0.5f);
@@ -145,7 +155,7 @@ int run(bool quick) {
       const std::vector<float> bias1(static_cast<size_t>(m.n_experts) * 2 * d_ff, 0.01f), bias2(static_cast<size_t>(m.n_experts) * d, 0.01f);
       ex.fc1_bias = gpu.upload(TensorView{bias1.data(), DType::kF32, {m.n_experts, 2 * d_ff}});
       ex.fc2_bias = gpu.upload(TensorView{bias2.data(), DType::kF32, {m.n_experts, d}});
-      const int n_sets = m.n_experts / kTopK;
+      const int n_sets = warm ? 1 : m.n_experts / kTopK;
       std::vector<Routes> routes;
       for (int s = 0; s < n_sets; ++s) {
         std::vector<float> ids_f(kTopK);
@@ -165,6 +175,11 @@ int run(bool quick) {
       row(m.name, "expert fc1 x4 (+SwiGLU)", f, "4 x " + shape_string({2 * d_ff, d}), b1, us1, bw);
       const double us2 = timer.time([&](int i) { gpu.moe_fc2(act, routes[i % n_sets], ex); });
       row(m.name, "expert fc2 x4 (+combine)", f, "4 x " + shape_string({d, d_ff}), b2, us2, bw);
+      if (cuda::stream_stamps(true, nullptr)) {  // measurement builds: one FC1 then FC2 (after the timings)
+        gpu.moe_fc1(x, routes[0], ex, glu);
+        gpu.moe_fc2(act, routes[0], ex);
+        if (gpu.synchronize().ok()) print_stream_stamps((std::string(m.name) + " " + weight_format_name(f)).c_str());
+      }
     }
   }
   return gpu.synchronize().ok() ? 0 : 1;

@@ -7,6 +7,9 @@
 #   NIBBLE_AB_KERNEL_FILTER  nibble_kernel_bench rows to compare (NIBBLE_BENCH_FILTER; default mxfp4, "" skips)
 #   NIBBLE_AB_E2E_ARGS       nibble_e2e_bench arguments (default: tg128 of both gpt-oss configs, all-MXFP4)
 #   NIBBLE_AB_CTEST          a ctest regex to run on this tree first (it is then built with the tests)
+#   NIBBLE_AB_VARIANTS       "NAME:CUDA_FLAGS ..." this tree built again per entry with those CMAKE_CUDA_FLAGS
+#                            (e.g. "w20:-DNIBBLE_STREAM_WARPS_SM90=20"), benchmarked as a side of its own
+#   NIBBLE_AB_SKIP_THIS=1    leave this tree's own build out (when a variant stands for it)
 # Prints, per round, the base tree's rows then this tree's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,16 +38,31 @@ rm -rf "$base/src" "$base/bench" && cp -r ab-base/src ab-base/bench "$base/"
 (cd "$base" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=OFF &&
    cmake --build b -j8 "${targets[@]}") >"$OUT/ab-base-build.log" 2>&1 &
 base_pid=$!
+# Variants: this tree again with extra CUDA flags, one build directory each, alongside.
+read -r -a variants <<<"${NIBBLE_AB_VARIANTS:-}"
+variant_pids=()
+for v in "${variants[@]}"; do
+  (cmake -S . -B "build-ab-${v%%:*}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" \
+     -DNIBBLE_TESTS=OFF -DCMAKE_CUDA_FLAGS="${v#*:}" && cmake --build "build-ab-${v%%:*}" -j8 "${targets[@]}") \
+    >"$OUT/ab-build-${v%%:*}.log" 2>&1 &
+  variant_pids+=($!)
+done
 tests=OFF
 [ -n "${NIBBLE_AB_CTEST:-}" ] && tests=ON
-(cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=$tests &&
-   if [ $tests = ON ]; then cmake --build build-gpu -j8; else cmake --build build-gpu -j8 "${targets[@]}"; fi) \
-  >"$OUT/ab-build.log" 2>&1
-new_rc=$?
+new_rc=0
+if [ "${NIBBLE_AB_SKIP_THIS:-0}" != 1 ]; then
+  (cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=$tests &&
+     if [ $tests = ON ]; then cmake --build build-gpu -j8; else cmake --build build-gpu -j8 "${targets[@]}"; fi) \
+    >"$OUT/ab-build.log" 2>&1
+  new_rc=$?
+fi
 wait $base_pid
 base_rc=$?
-echo "build: this tree rc=$new_rc, base rc=$base_rc"
-[ $new_rc -eq 0 ] && [ $base_rc -eq 0 ] || { tail -20 "$OUT/ab-build.log" "$OUT/ab-base-build.log"; exit 1; }
+var_rc=0
+for pid in "${variant_pids[@]}"; do wait "$pid" || var_rc=1; done
+echo "build: this tree rc=$new_rc, base rc=$base_rc, variants rc=$var_rc"
+[ $new_rc -eq 0 ] && [ $base_rc -eq 0 ] && [ $var_rc -eq 0 ] ||
+  { tail -20 "$OUT"/ab-build*.log; exit 1; }
 if [ -n "${NIBBLE_AB_CTEST:-}" ]; then
   ctest --test-dir build-gpu --output-on-failure -j4 -R "$NIBBLE_AB_CTEST" >"$OUT/ab-ctest.log" 2>&1
   echo "ctest ($NIBBLE_AB_CTEST): rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ab-ctest.log" | tail -1)"
@@ -56,13 +74,19 @@ else
   e2e=(--pp '' --dense-formats mxfp4 configs/gpt-oss-120b configs/gpt-oss-20b)
 fi
 for r in $(seq "$rounds"); do
-  for side in base this; do
-    b=build-gpu
-    [ $side = base ] && b=$base/b
+  sides=(base)
+  [ "${NIBBLE_AB_SKIP_THIS:-0}" != 1 ] && sides+=(this)
+  for v in "${variants[@]}"; do sides+=("${v%%:*}"); done
+  for side in "${sides[@]}"; do
+    case $side in
+      base) b=$base/b ;;
+      this) b=build-gpu ;;
+      *) b=build-ab-$side ;;
+    esac
     echo "== $side, round $r"
     if [ -n "$filter" ]; then
-      NIBBLE_BENCH_FILTER=$filter "$b"/src/nibble_kernel_bench 2>&1 | grep -E "^\| [a-z]" | grep -v "^| model"
+      NIBBLE_BENCH_FILTER=$filter "$b"/src/nibble_kernel_bench 2>&1 | grep -E "^\| [a-z]|^stamps" | grep -v "^| model"
     fi
-    "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs"
+    "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs|^stamps"
   done
 done | tee "$OUT/ab.txt"

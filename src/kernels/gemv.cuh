@@ -6,8 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/common.cuh"
+#include "kernels/prefetch.cuh"
 #include "kernels/qkv_rope.cuh"
 
 namespace nb::cuda {
@@ -101,9 +103,11 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 // previous kernel on the stream lets it launch (as right after launch_moe_fc1 with the same routes: the
 // FC1 kernels trigger only after their wait; or after launch_moe_fc1_logits, whose block 0 writes and
 // fences them before its trigger): the one-token kernel reads them, and its first weights, before waiting
-// for that kernel.
+// for that kernel. prefetch (optional): L2 prefetch hints for weights read after this op; the one-token
+// kernel issues them itself (right after its first weight loads: no launch of its own) and clears them,
+// other paths leave them to the caller.
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, bool fp16_acts, cudaStream_t s);
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch = nullptr);
 
 bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                         Glu glu, float limit, float* act, cudaStream_t s);
@@ -128,6 +132,15 @@ void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                                Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
-                               int top_k, const float* act, float* y, bool fp16_acts, cudaStream_t s);
+                               int top_k, const float* act, float* y, bool fp16_acts, cudaStream_t s,
+                               PrefetchRanges* prefetch = nullptr);
+
+// Measurement builds only (-DNIBBLE_STREAM_STAMPS=1 on gemv_fp4_stream.cu, e.g. scripts/gpu-ab.sh
+// NIBBLE_AB_VARIANTS): the one-token stream kernels record, per block, %globaltimer at entry, after their
+// wait for the previous kernel, once x is staged, and when the block's last warp leaves its walk, the newest
+// launch of each kernel kind overwriting the last. stream_stamps clears them (clear) or copies them out as
+// [kStampKinds][kStampBlocks][kStampPoints] nanoseconds (0: no such block); false in other builds.
+inline constexpr int kStampKinds = 4, kStampBlocks = 160, kStampPoints = 4;  // linear, qkv head, fc1, fc2
+bool stream_stamps(bool clear, std::vector<uint64_t>* out);
 
 }  // namespace nb::cuda

@@ -46,15 +46,43 @@ constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lanes x 32
 // spills 0.6-1 KiB per thread in the NVFP4 kernels under the 16-warp cap of 128 registers and needs none at
 // 8 warps (up to 255 registers; less bandwidth per SM to cover there: GB10 273 GB/s over 48 SMs). The
 // linear and FC1 blocks have exactly kBlockThreads threads, FC2's a multiple of top_k warps up to that;
-// kWarps is the most any block has.
-constexpr int kWarps = 16;
+// kWarps is the most any block has. NIBBLE_STREAM_WARPS_SM90 (a compile definition) sets sm_90's count for
+// measurements (scripts/gpu-ab.sh NIBBLE_AB_VARIANTS; 20 and 24 measured slower, NOTES.md eleventh session).
+#ifndef NIBBLE_STREAM_WARPS_SM90
+#define NIBBLE_STREAM_WARPS_SM90 16
+#endif
+constexpr int kWarpsSm90 = NIBBLE_STREAM_WARPS_SM90;
+static_assert(kWarpsSm90 >= 8 && kWarpsSm90 <= 32);
+constexpr int kWarps = kWarpsSm90;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kBlockThreads = 256;
 #else
-constexpr int kBlockThreads = 512;
+constexpr int kBlockThreads = kWarpsSm90 * 32;
 #endif
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
+
+// Timestamps for measurement builds (gemv.cuh: stream_stamps). Off: stamp() compiles to nothing.
+#ifndef NIBBLE_STREAM_STAMPS
+#define NIBBLE_STREAM_STAMPS 0
+#endif
+enum StampKind { kStampLinear, kStampQkv, kStampFc1, kStampFc2 };
+enum StampPoint { kAtEntry, kAtWaited, kAtStaged, kAtWalked };
+#if NIBBLE_STREAM_STAMPS
+__device__ unsigned long long g_stamps[kStampKinds][kStampBlocks][kStampPoints];
+#endif
+__device__ __forceinline__ void stamp([[maybe_unused]] StampKind kind, [[maybe_unused]] StampPoint point) {
+#if NIBBLE_STREAM_STAMPS
+  if (blockIdx.x >= kStampBlocks) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (point == kAtWalked) {  // the block's last warp
+    if ((threadIdx.x & 31) == 0) atomicMax(&g_stamps[kind][blockIdx.x][point], t);
+  } else if (threadIdx.x == 0) {
+    g_stamps[kind][blockIdx.x][point] = t;
+  }
+#endif
+}
 
 // Staged activations of one row: per chunk c, 4 octet planes j of 32 lanes x 16 bytes (plane j of lane l =
 // elements 32 l + 8 j .. + 8 of the chunk in the octet order 0 4 1 5 2 6 3 7, common.cuh), hi planes of
@@ -405,6 +433,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
+  stamp(kStampLinear, kAtEntry);
   __shared__ StageShared ss;
   stage_zero(ss);
   __syncthreads();
@@ -416,6 +445,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
+  stamp(kStampLinear, kAtWaited);
   Held h;
   stage_issue(x, w.k, 1, w.k, h);
   stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
@@ -425,7 +455,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(x, w.k, 1, w.k, h, ss, kSplit, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
+  stamp(kStampLinear, kAtStaged);
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
+  stamp(kStampLinear, kAtWalked);
 }
 
 // ---- Attention head at one token: h = rms_norm(x + y) * norm_w, qkv = w h + bias, RoPE on q and k, k and v
@@ -517,7 +549,7 @@ struct QkvOp {
 // squares adds per-warp partials in warp order (deterministic), the maxima as stage_max. Block 0 writes
 // x + y to x_out.
 constexpr int kMaxK = 4096;  // (shape_ok: k <= kMaxChunks chunks)
-constexpr int kNormHold = kMaxK / 8 / kBlockThreads;
+constexpr int kNormHold = (kMaxK / 8 + kBlockThreads - 1) / kBlockThreads;
 struct NormShared {
   float partial[kWarps];
 };
@@ -592,6 +624,7 @@ template <WKind K, int NC>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_qkv_kernel(const __grid_constant__ DevWeight w, const __grid_constant__ QkvHeadArgs a) {
   extern __shared__ uint4 planes[];
+  stamp(kStampQkv, kAtEntry);
   __shared__ StageShared ss;
   __shared__ NormShared ns;
   stage_zero(ss);
@@ -610,9 +643,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   op.slot = static_cast<int64_t>(__ldcg(a.b.tables + static_cast<int64_t>(__ldcg(a.b.seq_of)) * a.b.table_stride +
                                         op.pos / kKvBlock)) * kKvBlock + op.pos % kKvBlock;
   pdl_wait();
+  stamp(kStampQkv, kAtWaited);
   stage_norm(a, w.k, nwv, ss, ns, planes);
   op.unscale = ss.unscale[0];
+  stamp(kStampQkv, kAtStaged);
   if (first.p < op.n_pairs) walk<K, NC, false>(op, w.k, planes, first, cur);
+  stamp(kStampQkv, kAtWalked);
 }
 
 __device__ __forceinline__ float map_bias(const RowMap& m, int r) { return m.bias ? __ldg(m.bias + r * m.step) : 0.0f; }
@@ -706,6 +742,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act,
                       bool table_in_smem) {
   extern __shared__ uint4 planes[];  // the staged x; then, with table_in_smem, a copy of tab.rows
+  stamp(kStampFc1, kAtEntry);
   __shared__ StageShared ss;
   __shared__ RowMap maps[2][kMaxRows];
   stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
@@ -725,6 +762,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // once block 0 has written and fenced them in map_experts, so the trigger follows that.
   const bool deferred = routes.lg.logits != nullptr;
   pdl_wait_only();
+  stamp(kStampFc1, kAtWaited);
   if (!deferred) pdl_launch();
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
@@ -744,7 +782,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(x, tab.d_model, 1, tab.d_model, h, ss, kSplit, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
+  stamp(kStampFc1, kAtStaged);
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, tab.d_model, planes, first, cur);
+  stamp(kStampFc1, kAtWalked);
 }
 
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
@@ -794,9 +834,10 @@ struct Fc2Op {
 template <WKind K, int NC, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
-                      const float* __restrict__ act,
-                      float* __restrict__ y, int rounds) {
+                      const float* __restrict__ act, float* __restrict__ y, int rounds,
+                      const __grid_constant__ PrefetchRanges prefetch) {
   extern __shared__ uint4 planes[];
+  stamp(kStampFc2, kAtEntry);
   __shared__ StageShared ss;
   __shared__ RowMap maps[1][kMaxRows];
   __shared__ float s_weights[kMaxRows];
@@ -813,7 +854,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // our wait: only act comes from FC1.
   map_experts(tab.rows, routes, top_k, false, maps, s_weights);
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
+  // Weights of the next ops (the next layer's attention projections) into L2 while this kernel leaves DRAM
+  // half idle: after our first weights, so that those go out first; in place of a prefetch launch, whose
+  // boundary sat on the step's critical path (~1 us per layer).
+  issue_l2_prefetch(prefetch, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   pdl_wait();  // act comes from the previous kernel
+  stamp(kStampFc2, kAtWaited);
   Held h;
   stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
@@ -822,8 +868,34 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, kSplit, planes);
   __syncthreads();
+  stamp(kStampFc2, kAtStaged);
   walk<K, NC, kSplit>(op, tab.d_expert, planes, first, cur);
+  stamp(kStampFc2, kAtWalked);
 }
+
+}  // namespace
+
+bool stream_stamps(bool clear, std::vector<uint64_t>* out) {
+#if NIBBLE_STREAM_STAMPS
+  static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+  constexpr size_t n = size_t{kStampKinds} * kStampBlocks * kStampPoints;
+  if (clear) {
+    void* p = nullptr;
+    CUDA_CHECK(cudaGetSymbolAddress(&p, g_stamps));
+    CUDA_CHECK(cudaMemset(p, 0, n * sizeof(uint64_t)));
+  }
+  if (out) {
+    out->resize(n);
+    CUDA_CHECK(cudaMemcpyFromSymbol(out->data(), g_stamps, n * sizeof(uint64_t)));
+  }
+  return true;
+#else
+  (void)clear, (void)out;
+  return false;
+#endif
+}
+
+namespace {
 
 // ---- Launch ----
 // NIBBLE_FP4_STREAM=0 turns these kernels off (gemv_fp4.cu's tensor-core kernels take one token then): a
@@ -856,7 +928,7 @@ const Device& device() {
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    r.warps = major >= 12 ? 8 : kWarps;
+    r.warps = major >= 12 ? 8 : kWarpsSm90;
     return r;
   }();
   return d;
@@ -945,8 +1017,8 @@ void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu
 }
 
 template <WKind K>
-void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act,
-         float* y, bool split, cudaStream_t s) {
+void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act, float* y, bool split,
+         const PrefetchRanges& prefetch, cudaStream_t s) {
   // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
   // the last round is (nearly) full.
   const size_t smem = stage_bytes(top_k, t.d_expert);
@@ -955,7 +1027,7 @@ void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act,
     auto kernel = stream_fc2_kernel<K, NC, kSplit>;
     const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
     const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
-    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, r, top_k, act, y, rounds);
+    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, r, top_k, act, y, rounds, prefetch);
   });
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1011,12 +1083,14 @@ bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t
 
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights,
                                int64_t n_tokens, int top_k, const float* act, float* y, bool fp16_acts,
-                               cudaStream_t s) {
+                               cudaStream_t s, PrefetchRanges* prefetch) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
+  const PrefetchRanges pf = prefetch ? *prefetch : PrefetchRanges{};
   if (t.kind == WKind::kMXFP4)
-    fc2<WKind::kMXFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, s);
+    fc2<WKind::kMXFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, s);
   else
-    fc2<WKind::kNVFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, s);
+    fc2<WKind::kNVFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, s);
+  if (prefetch) prefetch->n = 0;  // (issued by the kernel)
   return true;
 }
 
