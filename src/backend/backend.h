@@ -207,6 +207,14 @@ class Backend {
   virtual Routes resolve_routes(const Routes& r) { return r; }
   virtual Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                              const GluParams& glu) = 0;  // [n_tokens, d_model]: sum_k w_k (fc2(glu(fc1 x)))
+  // moe_experts, then prefetch(*w) for each of `next` (weights the ops after it read soon); a backend may
+  // issue those hints while the experts run instead (the CUDA backend: from its one-token FC2 kernel).
+  virtual Tensor moe_experts_then_prefetch(const Tensor& x, const Routes& routes, const MoeExperts& experts,
+                                           const GluParams& glu, const std::vector<const Weight*>& next) {
+    Tensor y = moe_experts(x, routes, experts, glu);
+    for (const Weight* w : next) prefetch(*w);
+    return y;
+  }
   virtual Tensor swiglu(const Tensor& gate, const Tensor& up) = 0;                    // silu(gate) * up
   virtual void add(Tensor& x, const Tensor& y) = 0;                                   // in place: x += y
   virtual Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) = 0;  // [rows, ..]

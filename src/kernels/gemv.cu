@@ -511,9 +511,9 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 }
 
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, bool fp16_acts, cudaStream_t s) {
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch) {
   NB_CHECK(n_tokens >= 1 && t.d_model > 0, "moe_fc2: bad shapes");
-  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, fp16_acts, s)) return;
+  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, fp16_acts, s, prefetch)) return;
   if (launch_moe_fc2_fp4(t, ids, weights, n_tokens, top_k, act, y, s)) return;
   const int nt = static_cast<int>(n_tokens);
   switch (t.kind) {

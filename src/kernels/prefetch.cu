@@ -11,10 +11,7 @@ namespace {
 constexpr int kThreads = 256, kBlocks = 16;
 
 __global__ void __launch_bounds__(kThreads) l2_prefetch_kernel(const __grid_constant__ PrefetchRanges r) {
-  const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x, n_threads = kThreads * kBlocks;
-  for (int i = 0; i < r.n; ++i)
-    for (uint32_t off = tid * 128u; off < r.bytes[i]; off += n_threads * 128u)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.begin[i] + off));
+  issue_l2_prefetch(r, blockIdx.x * blockDim.x + threadIdx.x, kThreads * kBlocks);
   pdl_wait();  // (nothing to read: keeps the stream order for the kernels after this one)
 }
 

@@ -65,13 +65,13 @@ class GptOss final : public Model {
       // x += o, h = its norm, and the top-k of the router's logits for h, in one op.
       NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, &L.router_bias, c.top_k,
                                            RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
-      y = be.moe_experts(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit});
       // Decode: the next attention projections' weights stream into L2 alongside FC2, which leaves DRAM half
-      // idle (O's prefetch after the QKV kernel instead sat between it and attention, measured).
-      if (T == 1 && l + 1 < c.n_layers) {
-        be.prefetch(layers_[l + 1].attn.qkv);
-        be.prefetch(layers_[l + 1].attn.o);
-      }
+      // idle (the CUDA backend issues them from the FC2 kernel; a prefetch launch of their own after it, or
+      // O's after the QKV kernel, sat on the step's critical path: measured).
+      std::vector<const Weight*> next;
+      if (T == 1 && l + 1 < c.n_layers) next = {&layers_[l + 1].attn.qkv, &layers_[l + 1].attn.o};
+      y = be.moe_experts_then_prefetch(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit},
+                                       next);
     }
     x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
     x = be.gather_rows(x, b.logit_rows);

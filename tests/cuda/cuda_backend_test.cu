@@ -509,6 +509,16 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     for (size_t i = 0; i < want.size(); ++i)
       tol[i] = 2e-4f + 2e-5f * std::abs(want[i]) + (fp16 ? 64 * 0x1p-11f * scale : 0.0f);
     expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant) + (fp16 ? " one fp16" : ""));
+    // With L2 prefetch hints for later weights (one token: issued by the FC2 kernel; else a launch after):
+    // hints only, the same bits; and none left behind for a later FC2 (moe_fc2 right after gives the same).
+    {
+      const std::vector<const Weight*> next = {&gex.fc1[0], &gex.fc2[E - 1]};
+      const std::string what = "prefetching, variant " + std::to_string(variant) + (fp16 ? " one fp16" : "");
+      expect_close(got, gpu_->to_host(gpu_->moe_experts_then_prefetch(gpu_t(x, {T, d_model}), gr, gex, glu, next)),
+                   {0.0f}, what);
+      expect_close(got, gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), gr, gex, glu)), {0.0f},
+                   "after " + what);
+    }
     // One token, FP4 experts: the same routes deferred (Routes::logits; each FC1 and FC2 block selects them,
     // FC1's block 0 writes ids and weights): the same selection code on the same logits, so the same bits.
     if (T == 1 && f != WeightFormat::kBF16) {

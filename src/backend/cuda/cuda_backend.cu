@@ -175,6 +175,9 @@ struct CudaBackend::Impl {
   // zeroed once here, and every such kernel leaves the counters it used at zero. Stream order keeps two
   // kernels from using them at once (a PDL kernel touches them only after its pdl_wait).
   unsigned* arrivals = nullptr;
+  // L2 prefetch hints handed to the next one-token MoE FC2 launch (moe_experts_then_prefetch): the kernel
+  // issues them and clears n; any left are launched as their own kernel after the experts.
+  cuda::PrefetchRanges fc2_prefetch;
 
   ~Impl() {
     if (stream) cudaStreamSynchronize(stream);
@@ -513,17 +516,36 @@ Tensor CudaBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, fl
   return out;
 }
 
-void CudaBackend::prefetch(const Weight& w) {
-  // (A weight over a third of the L2 would evict what the ops in between use, and itself.)
-  if (!impl_->options.l2_prefetch || w.empty() || w.bytes() > static_cast<int64_t>(impl_->info.l2_bytes / 3)) return;
-  cuda::PrefetchRanges r;
+// w's parts (codes and scales) appended to r, unless prefetching is off or w is over a third of the L2 (it
+// would evict what the ops in between use, and itself).
+static void add_prefetch(CudaBackend::Impl& I, const Weight& w, cuda::PrefetchRanges& r) {
+  if (!I.options.l2_prefetch || w.empty() || w.bytes() > static_cast<int64_t>(I.info.l2_bytes / 3)) return;
   auto add = [&](const TensorView& v, const std::string& name) {
-    const uint8_t* p = impl_->dev_ptr(v, name);
+    const uint8_t* p = I.dev_ptr(v, name);
     if (!p || r.n == cuda::kMaxPrefetchRanges) return;
     r.begin[r.n] = p, r.bytes[r.n] = static_cast<uint32_t>(std::min<int64_t>(v.nbytes(), INT32_MAX)), ++r.n;
   };
   for (const WeightPart& part : w.parts) add(part.data, part.name), add(part.scales, part.name);
+}
+
+void CudaBackend::prefetch(const Weight& w) {
+  cuda::PrefetchRanges r;
+  add_prefetch(*impl_, w, r);
   cuda::launch_l2_prefetch(r, impl_->stream);
+}
+
+Tensor CudaBackend::moe_experts_then_prefetch(const Tensor& x, const Routes& routes, const MoeExperts& ex,
+                                              const GluParams& glu, const std::vector<const Weight*>& next) {
+  cuda::PrefetchRanges& r = impl_->fc2_prefetch;
+  struct Clear {
+    cuda::PrefetchRanges& r;
+    ~Clear() { r.n = 0; }  // (also when an op throws: no stale hints for a later FC2)
+  } clear{r};
+  r.n = 0;
+  for (const Weight* w : next) add_prefetch(*impl_, *w, r);
+  Tensor y = moe_experts(x, routes, ex, glu);  // a one-token FC2 issues r and clears it
+  cuda::launch_l2_prefetch(r, impl_->stream);  // (no-op when n == 0)
+  return y;
 }
 
 Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias) {
@@ -861,7 +883,7 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   NB_CHECK(routes.logits.empty() || logits_routes(routes, d.table), "moe_fc2: deferred routes these kernels cannot take");
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                        static_cast<int>(top_k), act.data<float>(), y.data<float>(),
-                       impl_->options.gemm_fp16_activations, impl_->stream);
+                       impl_->options.gemm_fp16_activations, impl_->stream, &impl_->fc2_prefetch);
   return y;
 }
 

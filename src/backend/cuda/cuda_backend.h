@@ -101,6 +101,8 @@ class CudaBackend final : public Backend, public WeightFactory {
                                 const Tensor* router_bias, int top_k, RouterKind kind, bool renormalize) override;
   Tensor moe_experts(const Tensor& x, const Routes& routes, const MoeExperts& experts,
                      const GluParams& glu) override;
+  Tensor moe_experts_then_prefetch(const Tensor& x, const Routes& routes, const MoeExperts& experts,
+                                   const GluParams& glu, const std::vector<const Weight*>& next) override;
   Tensor swiglu(const Tensor& gate, const Tensor& up) override;
   void add(Tensor& x, const Tensor& y) override;
   Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
