@@ -8,7 +8,8 @@
 #   NIBBLE_AB_E2E_ARGS       nibble_e2e_bench arguments (default: tg128 of both gpt-oss configs, all-MXFP4)
 #   NIBBLE_AB_CTEST          a ctest regex to run on this tree first (it is then built with the tests)
 #   NIBBLE_AB_VARIANTS       "NAME:CUDA_FLAGS ..." this tree built again per entry with those CMAKE_CUDA_FLAGS
-#                            (e.g. "w20:-DNIBBLE_STREAM_WARPS_SM90=20"), benchmarked as a side of its own
+#                            (e.g. "w20:-DNIBBLE_STREAM_WARPS_SM90=20"; commas separate several flags),
+#                            benchmarked as a side of its own
 #   NIBBLE_AB_SKIP_THIS=1    leave this tree's own build out (when a variant stands for it)
 # Prints, per round, the base tree's rows then this tree's.
 set -uo pipefail
@@ -43,7 +44,7 @@ read -r -a variants <<<"${NIBBLE_AB_VARIANTS:-}"
 variant_pids=()
 for v in "${variants[@]}"; do
   (cmake -S . -B "build-ab-${v%%:*}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" \
-     -DNIBBLE_TESTS=OFF -DCMAKE_CUDA_FLAGS="${v#*:}" && cmake --build "build-ab-${v%%:*}" -j8 "${targets[@]}") \
+     -DNIBBLE_TESTS=OFF -DCMAKE_CUDA_FLAGS="$(tr , ' ' <<<"${v#*:}")" && cmake --build "build-ab-${v%%:*}" -j8 "${targets[@]}") \
     >"$OUT/ab-build-${v%%:*}.log" 2>&1 &
   variant_pids+=($!)
 done
@@ -62,7 +63,7 @@ var_rc=0
 for pid in "${variant_pids[@]}"; do wait "$pid" || var_rc=1; done
 echo "build: this tree rc=$new_rc, base rc=$base_rc, variants rc=$var_rc"
 [ $new_rc -eq 0 ] && [ $base_rc -eq 0 ] && [ $var_rc -eq 0 ] ||
-  { tail -20 "$OUT"/ab-build*.log; exit 1; }
+  { tail -n 20 "$OUT"/ab-build*.log; exit 1; }
 if [ -n "${NIBBLE_AB_CTEST:-}" ]; then
   ctest --test-dir build-gpu --output-on-failure -j4 -R "$NIBBLE_AB_CTEST" >"$OUT/ab-ctest.log" 2>&1
   echo "ctest ($NIBBLE_AB_CTEST): rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ab-ctest.log" | tail -1)"

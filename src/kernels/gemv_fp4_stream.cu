@@ -30,8 +30,10 @@
 // Llama-8B attention; longer rows take gemv_fp4.cu). The
 // next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
-// overlap the activation staging; so does FC2, whose routes are older than FC1 (launch_moe_fc2's
-// contract), with its experts' descriptors.
+// overlap the activation staging; FC2, whose routes are older than FC1 (launch_moe_fc2's contract),
+// prefetches its first unit into L2 then and loads it once act's maxima are taken, as FC1 does once x's
+// are: ptxas puts the activation and weight loads on one scoreboard, so a max taken after a weight load
+// waits for that load (DRAM at a kernel's start; the linear kernels' weights are there by their wait).
 
 #include "backend/backend.h"  // kKvBlock
 #include "backend/cuda/cuda_check.h"
@@ -67,13 +69,13 @@ constexpr int kMaxSmem = 96 * 1024;
 #define NIBBLE_STREAM_STAMPS 0
 #endif
 enum StampKind { kStampLinear, kStampQkv, kStampFc1, kStampFc2 };
-enum StampPoint { kAtEntry, kAtWaited, kAtStaged, kAtWalked };
+enum StampPoint { kAtEntry, kAtWaited, kAtRouted, kAtStaged, kAtUnit1, kAtWalked };
 #if NIBBLE_STREAM_STAMPS
 __device__ unsigned long long g_stamps[kStampKinds][kStampBlocks][kStampPoints];
 #endif
 __device__ __forceinline__ void stamp([[maybe_unused]] StampKind kind, [[maybe_unused]] StampPoint point) {
 #if NIBBLE_STREAM_STAMPS
-  if (blockIdx.x >= kStampBlocks) return;
+  if (blockIdx.x >= kStampBlocks || (point == kAtUnit1 && threadIdx.x >= 32)) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   if (point == kAtWalked) {  // the block's last warp
@@ -298,6 +300,22 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
   }
 }
 
+// load_unit's lines into L2 only (no registers, no scoreboard: nothing waits for them).
+template <WKind K, int NC>
+__device__ __forceinline__ void prefetch_unit(const Rows& r, int k) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    if (c == NC - 1 && c * kChunk + lane * 32 >= k) continue;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(r.codes[0] + c * (kChunk / 2)));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(r.codes[1] + c * (kChunk / 2)));
+    if (lane % 4 == 0) {  // (a lane's scale bytes: 1 or 2 of the 128-byte line the warp's 32 lanes share)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[0] + c * (K == WKind::kMXFP4 ? 32 : 64)));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[1] + c * (K == WKind::kMXFP4 ? 32 : 64)));
+    }
+  }
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& c, int w) {
   return w == 0 ? c.x : w == 1 ? c.y : w == 2 ? c.z : c.w;
 }
@@ -392,14 +410,24 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     u = un, epi = epi_next;
     return more;
   };
+#if NIBBLE_STREAM_STAMPS
+  const bool more = step(cur, nxt);
+  if (op.stamped()) stamp(Op::kStamp, kAtUnit1);
+  if (more)
+    while (step(nxt, cur) && step(cur, nxt)) {
+    }
+#else
   while (step(cur, nxt) && step(nxt, cur)) {
   }
+#endif
 }
 
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
 template <WKind K>
 struct LinearOp {
   static constexpr bool kLoadAlways = false;  // (walk)
+  static constexpr StampKind kStamp = kStampLinear;  // (measurement builds)
+  __device__ bool stamped() const { return w.n < 65536; }
   const DevWeight& w;
   const float* bias;
   float* y;
@@ -433,7 +461,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
-  stamp(kStampLinear, kAtEntry);
+  const bool stamped = w.n < 65536;  // (measurement builds: not the lm_head, LinearOp::stamped)
+  if (stamped) stamp(kStampLinear, kAtEntry);
   __shared__ StageShared ss;
   stage_zero(ss);
   __syncthreads();
@@ -445,7 +474,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   pdl_wait();
-  stamp(kStampLinear, kAtWaited);
+  if (stamped) stamp(kStampLinear, kAtWaited);
   Held h;
   stage_issue(x, w.k, 1, w.k, h);
   stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
@@ -455,9 +484,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(x, w.k, 1, w.k, h, ss, kSplit, planes);
   __syncthreads();
   op.unscale = ss.unscale[0];
-  stamp(kStampLinear, kAtStaged);
+  if (stamped) stamp(kStampLinear, kAtStaged);
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
-  stamp(kStampLinear, kAtWalked);
+  if (stamped) stamp(kStampLinear, kAtWalked);
 }
 
 // ---- Attention head at one token: h = rms_norm(x + y) * norm_w, qkv = w h + bias, RoPE on q and k, k and v
@@ -467,6 +496,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 template <WKind K>
 struct QkvOp {
   static constexpr bool kLoadAlways = false;  // (walk)
+  static constexpr StampKind kStamp = kStampQkv;  // (measurement builds)
+  __device__ bool stamped() const { return true; }
   const DevWeight& w;
   const QkvHeadArgs& a;
   float unscale;
@@ -709,6 +740,8 @@ __device__ void map_experts(const RowMap* table, const RouteSrc& r, int top_k, b
 template <WKind K>
 struct Fc1Op {
   static constexpr bool kLoadAlways = true;  // (walk)
+  static constexpr StampKind kStamp = kStampFc1;  // (measurement builds)
+  __device__ bool stamped() const { return true; }
   const RowMap (*maps)[kMaxRows];  // [gate, up][top_k] in shared memory
   const ExpertTable& tab;
   Glu kind;
@@ -767,6 +800,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Held h;
   stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   map_experts(table, routes, top_k, true, maps, nullptr);
+  stamp(kStampFc1, kAtRouted);
   if (deferred) pdl_launch();
   const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
@@ -774,8 +808,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, p0 / d, p0 % d};
   Item cur[NC];
-  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
+  // x's maxima before the first weights are requested: ptxas gives the x loads and the weight loads one
+  // scoreboard, so a max taken after the weight loads waited for the weights (DRAM, ~2.5 us at the kernel's
+  // start) instead of x (L2); after it, the barriers and the planes overlap the weights' latency (tg128
+  // +1 %, eleventh session).
   stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
   __syncthreads();
   stage_scales(1, ss);
   __syncthreads();
@@ -796,6 +834,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 template <WKind K>
 struct Fc2Op {
   static constexpr bool kLoadAlways = false;  // (walk)
+  static constexpr StampKind kStamp = kStampFc2;  // (measurement builds)
+  __device__ bool stamped() const { return true; }
   const RowMap* maps;  // [top_k] in shared memory, as are weights and unscale
   const ExpertTable& tab;
   const float* weights;
@@ -850,10 +890,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const Unit first{p0, 0, p0};
   Item cur[NC];
   // The routes were complete when the previous kernel (FC1) let this one launch (launch_moe_fc2's contract:
-  // see stream_fc1_kernel), so they, the experts' descriptors and the first unit's weights are read before
-  // our wait: only act comes from FC1.
+  // see stream_fc1_kernel), so they and the experts' descriptors are read, and the first unit's weights
+  // fetched, before our wait: only act comes from FC1.
   map_experts(tab.rows, routes, top_k, false, maps, s_weights);
-  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
+  stamp(kStampFc2, kAtRouted);
+  // The first unit's lines into L2 now (no registers: see below), into registers once act's maxima are in.
+  prefetch_unit<K, NC>(op.rows(first), tab.d_expert);
   // Weights of the next ops (the next layer's attention projections) into L2 while this kernel leaves DRAM
   // half idle: after our first weights, so that those go out first; in place of a prefetch launch, whose
   // boundary sat on the step's critical path (~1 us per layer).
@@ -863,6 +905,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   Held h;
   stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  // (Loaded into registers before the wait, as before the eleventh session, the weights shared the act
+  // loads' scoreboard and the max waited for them: tg128 +1.5 % this way.)
+  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
   __syncthreads();
   stage_scales(top_k, ss);
   __syncthreads();
