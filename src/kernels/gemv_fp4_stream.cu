@@ -73,6 +73,8 @@ enum StampPoint { kAtEntry, kAtWaited, kAtRouted, kAtStaged, kAtUnit1, kAtWalked
 #if NIBBLE_STREAM_STAMPS
 __device__ unsigned long long g_stamps[kStampKinds][kStampBlocks][kStampPoints];
 #endif
+// The linear kernels stamp only weights of fewer than 65536 rows: the lm_head does not overwrite the last O.
+__device__ __forceinline__ bool stamps_linear(const DevWeight& w) { return w.n < 65536; }
 __device__ __forceinline__ void stamp([[maybe_unused]] StampKind kind, [[maybe_unused]] StampPoint point) {
 #if NIBBLE_STREAM_STAMPS
   if (blockIdx.x >= kStampBlocks || (point == kAtUnit1 && threadIdx.x >= 32)) return;
@@ -422,6 +424,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     while (step(nxt, cur) && step(cur, nxt)) {
     }
 #else
+  static_cast<void>(Op::kStamp);
   while (step(cur, nxt) && step(nxt, cur)) {
   }
 #endif
@@ -432,7 +435,7 @@ template <WKind K>
 struct LinearOp {
   static constexpr bool kLoadAlways = false;  // (walk)
   static constexpr StampKind kStamp = kStampLinear;  // (measurement builds)
-  __device__ bool stamped() const { return w.n < 65536; }
+  __device__ bool stamped() const { return stamps_linear(w); }
   const DevWeight& w;
   const float* bias;
   float* y;
@@ -466,7 +469,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
-  const bool stamped = w.n < 65536;  // (measurement builds: not the lm_head, LinearOp::stamped)
+  const bool stamped = stamps_linear(w);
   if (stamped) stamp(kStampLinear, kAtEntry);
   __shared__ StageShared ss;
   stage_zero(ss);
