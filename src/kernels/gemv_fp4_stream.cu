@@ -283,6 +283,7 @@ __device__ __forceinline__ Rows lane_rows(const DevPart& pa, int ra, const DevPa
 template <WKind K, int NC>
 __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) {
   const int lane = threadIdx.x & 31;
+  constexpr int cs = kChunk / Fmt<K>::kBs;  // scale bytes of a row per chunk
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     if (c == NC - 1 && c * kChunk + lane * 32 >= k) {
@@ -293,11 +294,11 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
     it[c].a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
     it[c].b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
     if constexpr (K == WKind::kMXFP4) {
-      it[c].s0 = __ldg(r.scales[0] + c * 32);
-      it[c].s1 = __ldg(r.scales[1] + c * 32);
+      it[c].s0 = __ldg(r.scales[0] + c * cs);
+      it[c].s1 = __ldg(r.scales[1] + c * cs);
     } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
-      it[c].s0 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * 64));
-      it[c].s1 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * 64));
+      it[c].s0 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * cs));
+      it[c].s1 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * cs));
     }
   }
 }
@@ -306,14 +307,15 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
 template <WKind K, int NC>
 __device__ __forceinline__ void prefetch_unit(const Rows& r, int k) {
   const int lane = threadIdx.x & 31;
+  constexpr int cs = kChunk / Fmt<K>::kBs;  // scale bytes of a row per chunk
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     if (c == NC - 1 && c * kChunk + lane * 32 >= k) continue;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(r.codes[0] + c * (kChunk / 2)));
     asm volatile("prefetch.global.L2 [%0];" ::"l"(r.codes[1] + c * (kChunk / 2)));
     if (lane % 4 == 0) {  // (a lane's scale bytes: 1 or 2 of the 128-byte line the warp's 32 lanes share)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[0] + c * (K == WKind::kMXFP4 ? 32 : 64)));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[1] + c * (K == WKind::kMXFP4 ? 32 : 64)));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[0] + c * cs));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(r.scales[1] + c * cs));
     }
   }
 }

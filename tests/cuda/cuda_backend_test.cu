@@ -510,7 +510,8 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       tol[i] = 2e-4f + 2e-5f * std::abs(want[i]) + (fp16 ? 64 * 0x1p-11f * scale : 0.0f);
     expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant) + (fp16 ? " one fp16" : ""));
     // With L2 prefetch hints for later weights (one token: issued by the FC2 kernel; else a launch after):
-    // hints only, the same bits; and none left behind for a later FC2 (moe_fc2 right after gives the same).
+    // hints only, the same bits; and the plain call right after still gives them (the FC2 kernel's prefetch
+    // argument shifts its others: a wrong layout there changes or breaks the output).
     {
       const std::vector<const Weight*> next = {&gex.fc1[0], &gex.fc2[E - 1]};
       const std::string what = "prefetching, variant " + std::to_string(variant) + (fp16 ? " one fp16" : "");
