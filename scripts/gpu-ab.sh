@@ -11,6 +11,8 @@
 #                            (e.g. "w20:-DNIBBLE_STREAM_WARPS_SM90=20"; commas separate several flags),
 #                            benchmarked as a side of its own
 #   NIBBLE_AB_SKIP_THIS=1    leave this tree's own build out (when a variant stands for it)
+#   NIBBLE_AB_GEMM_ARGS      also build and run nibble_gemm_bench with these arguments (e.g. --quick)
+#   NIBBLE_AB_E2E_ARGS=-     no nibble_e2e_bench
 # Prints, per round, the base tree's rows then this tree's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,7 @@ export CMAKE_PREFIX_PATH=$ROOT/usr LD_LIBRARY_PATH=$ROOT/usr/lib/x86_64-linux-gn
 export CPATH=$ROOT/usr/include:${CPATH:-} PKG_CONFIG_PATH=$ROOT/usr/lib/x86_64-linux-gnu/pkgconfig PKG_CONFIG_SYSROOT_DIR=$ROOT
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 targets=(--target nibble_e2e_bench --target nibble_kernel_bench)
+[ -n "${NIBBLE_AB_GEMM_ARGS+x}" ] && targets+=(--target nibble_gemm_bench)
 # The base tree: this one with src/ and bench/ replaced.
 base=/tmp/ab-base-tree
 rm -rf "$base" && mkdir -p "$base"
@@ -88,6 +91,10 @@ for r in $(seq "$rounds"); do
     if [ -n "$filter" ]; then
       NIBBLE_BENCH_FILTER=$filter "$b"/src/nibble_kernel_bench 2>&1 | grep -E "^\| [a-z]|^stamps" | grep -v "^| model"
     fi
-    "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs|^stamps"
+    if [ -n "${NIBBLE_AB_GEMM_ARGS+x}" ]; then
+      read -r -a gargs <<<"$NIBBLE_AB_GEMM_ARGS"
+      "$b"/src/nibble_gemm_bench "${gargs[@]}" 2>&1 | grep -E "^\| [a-z]" | grep -vE "^\| (projection|model|op) "
+    fi
+    [ "${NIBBLE_AB_E2E_ARGS:-}" = - ] || "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs|^stamps"
   done
 done | tee "$OUT/ab.txt"

@@ -6,8 +6,8 @@
 // rewriting their registers) and meets a block barrier, so the tensor pipe idles between steps (30-38 % of
 // cuBLASLt BF16; bench/NOTES.md). Here:
 //   the decoder warpgroup (warps 8-11): a thread owns one of the block's 128 weight rows. Per k-tile it
-//     waits until the stage is free (`empty`), decodes its 64 codes (loaded into a register ring R
-//     k-tiles ahead) into the stage's fp16 weight tile and arrives on `full`; thread 0 also starts the
+//     waits until the stage is free (`empty`), decodes its 64 codes (copied into a shared-memory ring R
+//     k-tiles ahead, fetch_raw) into the stage's fp16 weight tile and arrives on `full`; thread 0 also starts the
 //     stage's activation tile (256 x 64 fp16) as one 32 KiB bulk copy that completes on `full`;
 //   two multiplier warpgroups (warps 0-7) each own 64 of the weight rows: per k-tile they wait on `full`,
 //     issue 4 wgmma m64n256k16 (both operands from shared memory, asynchronous) and release the previous
@@ -20,9 +20,9 @@
 // offset) and row blocks 1024 bytes apart (its stride offset). The activations are written in exactly this
 // order by launch_gemm_activations (GemmActivations::tiled), so a stage's 256 x 64 tile is one contiguous
 // 32 KiB bulk copy; inside each 8-element chunk the k order is 0 4 1 5 2 6 3 7 (the pairs e2m1_word
-// decodes), on both operands. Decoding as in the other tiles: e2m1 * 2^-14 by bit moves, times 2^14 and the
-// block factor in fp16 (exact for MXFP4 blocks with exponents in [-23, 13], always for NVFP4); NVFP4 global
-// scales and the activations' row scale in the epilogue.
+// decodes), on both operands. Decoding (decode_half): e2m1 * 2^-14 by bit moves, times the block factor in
+// fp16 (exact for MXFP4 blocks with exponents in [-23, 13], always for NVFP4); NVFP4 global scales (with the
+// 2^8 decode_half leaves out) and the activations' row scale in the epilogue.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -39,7 +39,25 @@ constexpr int kThreads = 384;  // two multiplier warpgroups + the decoder warpgr
 constexpr int kABytes = kBM * kBK * 2;  // 32 KiB of fp16 activations per stage
 constexpr int kWBytes = kBN * kBK * 2;  // 16 KiB of decoded fp16 weights per stage
 constexpr int kStageBytes = kABytes + kWBytes;
-constexpr int kSmem = kStages * kStageBytes;
+// The decoder's ring of raw k-tiles (cp.async, R <= kMaxRing slots): per slot each of the 128 rows' 32 code bytes,
+// then the two aligned 4-byte words that hold its block scale bytes.
+constexpr int kMaxRing = 5;
+constexpr int kRawCodes = kBN * 32, kRawBytes = kRawCodes + kBN * 8;
+constexpr int kSmem = kStages * kStageBytes + kMaxRing * kRawBytes;
+
+// Measurement builds only (their results are wrong): each skips one part of the pipeline so that
+// scripts/gpu-ab.sh variants (NIBBLE_AB_VARIANTS="dec:-DNIBBLE_WS_FAKE_DEC=1 ...") show what it costs --
+// FAKE_ACT: activation copies after the first kStages k-tiles; FAKE_DEC: the decode after them; FAKE_EPI: the
+// epilogue's stores (bench/NOTES.md, thirteenth session).
+#ifndef NIBBLE_WS_FAKE_ACT
+#define NIBBLE_WS_FAKE_ACT 0
+#endif
+#ifndef NIBBLE_WS_FAKE_DEC
+#define NIBBLE_WS_FAKE_DEC 0
+#endif
+#ifndef NIBBLE_WS_FAKE_EPI
+#define NIBBLE_WS_FAKE_EPI 0
+#endif
 
 // Rows of the tiled activations: whole 256-token tiles (the pad rows are read, never stored from).
 __host__ __device__ constexpr int64_t padded_rows(int64_t m) { return (m + kBM - 1) / kBM * kBM; }
@@ -120,45 +138,63 @@ __device__ __forceinline__ uint64_t desc(const void* smem) {
   return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (uint64_t{128 >> 4} << 16) | (uint64_t{1024 >> 4} << 32);
 }
 
-// Half of a decoder thread's weight row in one k-tile: 16 code bytes (32 elements) and their block scale codes
-// (MXFP4: 1, NVFP4: 2); zeros past k or past the weight, which decode to zeros. The scale bytes stay
-// separate registers until the decode, k-tiles later: combining them at load time waits a whole memory
-// latency every k-tile (ncu showed exactly that stall in a first version of this tile).
-struct HalfTile {
-  uint4 c;
-  uint32_t sc[2];
-};
-
+// A decoder thread's row in one k-tile comes through shared memory, not registers: cp.async copies its 32 code
+// bytes and the two aligned 4-byte words that hold its block scale bytes (MXFP4 2, NVFP4 4, at any byte
+// offset) into a ring slot R k-tiles ahead, and the decode waits for its own copy groups only
+// (cp.async.wait_group). With plain loads into a register ring, ptxas gave the ring's loads few scoreboards,
+// so the decode of k-tile kt also waited for the loads just issued for kt + R (ncu: the decoder stalled on
+// the scale byte's first use, the multipliers waited for the decoder; thirteenth session). Zeros past k or
+// past the weight. The scale words are whole aligned words around the wanted bytes (cp.async copies 4, 8 or
+// 16 aligned bytes): at most 3 bytes past the tensor's end, never across a page.
 template <WKind K>
-__device__ __forceinline__ void load_half(const gemm::BRow& br, int kt, int half, int k, HalfTile& r) {
-  constexpr int kPer = K == WKind::kMXFP4 ? 1 : 2, kBlk = K == WKind::kMXFP4 ? 32 : 16;
-  const int kk = kt * kBK + 32 * half;
-  r.c = make_uint4(0, 0, 0, 0);
-  r.sc[0] = r.sc[1] = 0;
-  if (!br.codes || kk >= k) return;
-  r.c = __ldg(reinterpret_cast<const uint4*>(br.codes + kk / 2));
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) r.sc[i] = __ldg(br.scales + kk / kBlk + i);
+__device__ __forceinline__ void fetch_raw(const gemm::BRow& br, int kt, int k, int row, uint8_t* slot,
+                                          const void* any_global) {
+  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16, kScaleBytes = K == WKind::kMXFP4 ? 2 : 4;
+  const int kk = kt * kBK;
+  const bool ok0 = br.codes && kk < k, ok1 = br.codes && kk + 32 < k;
+  const uint8_t* c = ok0 ? br.codes + kk / 2 : static_cast<const uint8_t*>(any_global);
+  gemm::cp_async16(slot + row * 32, c, ok0);
+  gemm::cp_async16(slot + row * 32 + 16, ok1 ? c + 16 : c, ok1);
+  const uintptr_t sp = ok0 ? reinterpret_cast<uintptr_t>(br.scales + kk / kBlk) : reinterpret_cast<uintptr_t>(any_global);
+  const uintptr_t sa = sp & ~uintptr_t{3};
+  const bool two = ok0 && (sp & 3) + kScaleBytes > 4;  // the bytes run into the next word
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(slot + kRawCodes + row * 8));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(sa), "r"(ok0 ? 4 : 0));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d + 4), "l"(two ? sa + 4 : sa), "r"(two ? 4 : 0));
 }
 
-// Decodes a half row into a weight buffer: chunk c (8 elements, order 0 4 1 5 2 6 3 7) of the half at
-// dst + 128 c (dst: the row's slot plus the half's first chunk).
+// Decodes half a row's k-tile (16 code bytes q, the half's scale codes sc[0..1]) into a weight buffer: chunk c
+// (8 elements, order 0 4 1 5 2 6 3 7) at dst + 128 c. e2m1_word gives e2m1 * 2^-14;
+//   MXFP4: times 2^14, then times 2^(e - 127) (e8m0_half_bits: exact for e - 127 in [-24, 15]), so the weight
+//     is e2m1 * 2^(e - 127), exact for blocks with exponents in [-23, 13]. (Folding 2^14 into the factor
+//     saves a multiply per pair but needs a second path for the blocks it does not fit: measured slower on
+//     the o and fc2 shapes, thirteenth session.)
+//   NVFP4: one multiply by F = ue4m3 * 2^6 (in [2^-3, 28672]: always normal), so the weight is e2m1 * ue4m3
+//     * 2^-8, exact (at most 6 significant bits, >= 2^-18); the epilogue multiplies by 2^8.
 template <WKind K>
-__device__ __forceinline__ void decode_half(const HalfTile& r, uint8_t* dst) {
+__device__ __forceinline__ void decode_half(const uint4& q, const uint32_t (&sc)[2], uint8_t* dst) {
   uint32_t f[2];
+  if constexpr (K == WKind::kMXFP4) {
+    const uint32_t h = gemm::e8m0_half_bits(sc[0]);
+    f[0] = f[1] = h | (h << 16);
+  } else {
 #pragma unroll
-  for (int i = 0; i < (K == WKind::kMXFP4 ? 1 : 2); ++i) {
-    const uint32_t h = K == WKind::kMXFP4 ? gemm::e8m0_half_bits(r.sc[i]) : gemm::ue4m3_half_bits(r.sc[i]);
-    f[i] = h | (h << 16);
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t h = (sc[i] & 0x7fu) << 7;  // ue4m3 * 2^-8 as fp16 bits
+      f[i] = gemm::hmul2(h | (h << 16), 0x74007400u);  // * 2^14
+    }
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const uint32_t word = c == 0 ? r.c.x : c == 1 ? r.c.y : c == 2 ? r.c.z : r.c.w;
+    const uint32_t word = c == 0 ? q.x : c == 1 ? q.y : c == 2 ? q.z : q.w;
     const uint32_t fc = f[K == WKind::kMXFP4 ? 0 : c >> 1];
     uint32_t h[4];
     e2m1_word(word, h);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = gemm::hmul2(gemm::hmul2(h[i], 0x74007400u), fc);  // * 2^14 * factor
+    for (int i = 0; i < 4; ++i) {
+      // MXFP4: times 2^14, then 2^(e - 127); NVFP4: one multiply by ue4m3 * 2^6.
+      h[i] = gemm::hmul2(K == WKind::kMXFP4 ? gemm::hmul2(h[i], 0x74007400u) : h[i], fc);
+    }
     *reinterpret_cast<uint4*>(dst + 128 * c) = make_uint4(h[0], h[1], h[2], h[3]);
   }
 }
@@ -176,6 +212,7 @@ struct Pipe {
   float* unscale;  // [kStages + 1][kBM]
   __device__ uint8_t* act(int s) const { return smem + s * kStageBytes; }
   __device__ uint8_t* wts(int s) const { return smem + s * kStageBytes + kABytes; }
+  __device__ uint8_t* raw(int j) const { return smem + kStages * kStageBytes + j * kRawBytes; }
   __device__ float* tile_unscale(int it) const { return unscale + (it % (kStages + 1)) * kBM; }
 };
 
@@ -201,26 +238,26 @@ inline int ring_for(int n_kt) {
 // The decoder warpgroup (d = threadIdx.x - 256: tile row d): for every k-tile of the block's schedule, wait
 // until its stage is free, decode the row's 64 codes into the stage and arrive on `full`; thread 0 also
 // starts the stage's activation copy, and at a tile's first k-tile the warpgroup writes its token scales.
-// Each k-tile's codes were loaded R k-tiles earlier (R divides n_kt: slot kt % R of a tile is slot kt % R
+// Each k-tile's codes were copied R k-tiles earlier (R divides n_kt: slot kt % R of a tile is slot kt % R
 // of the next one, so the ring runs on across tiles with compile-time slots). a_tiles: the tiled
 // activations (mp rows); unscale: their row scales [m].
 template <WKind K, int R>
 __device__ __forceinline__ void decoder(const Pipe& p, const Sched& sc, const DevWeight& w, const uint8_t* a_tiles,
                                         int64_t mp, const float* __restrict__ unscale, int m) {
+  static_assert(R <= kMaxRing);
+  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
   const int d = threadIdx.x - 256, k = w.k, n_tiles = sc.my_tiles();
   auto brow = [&](int it) {
     const int row = it < n_tiles ? sc.n0(sc.tile(it)) + d : w.n;
-    return gemm::brow_of(w, row < w.n ? row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
-  };
-  auto load = [&](const gemm::BRow& br, int kt, HalfTile (&r)[2]) {
-    load_half<K>(br, kt, 0, k, r[0]);
-    load_half<K>(br, kt, 1, k, r[1]);
+    return gemm::brow_of(w, row < w.n ? row : -1, k, kBlk);
   };
   const int slot = (d >> 3) * 1024 + (d & 7) * 16;  // this row's first chunk in a weight tile
   gemm::BRow br = brow(0), br_next = brow(1);
-  HalfTile ring[R][2];
 #pragma unroll
-  for (int j = 0; j < R; ++j) load(br, j, ring[j]);
+  for (int j = 0; j < R; ++j) {
+    fetch_raw<K>(br, j, k, d, p.raw(j), a_tiles);
+    gemm::cp_async_commit();
+  }
   for (int it = 0, g = 0; it < n_tiles; ++it) {
     const int m0 = sc.m0(sc.tile(it));
     for (int kt0 = 0; kt0 < sc.n_kt; kt0 += R) {
@@ -233,23 +270,47 @@ __device__ __forceinline__ void decoder(const Pipe& p, const Sched& sc, const De
           us[d] = m0 + d < m ? unscale[m0 + d] : 0.0f;
           us[d + 128] = m0 + d + 128 < m ? unscale[m0 + d + 128] : 0.0f;
         }
-        if (d == 0) {
+        if (d == 0 && NIBBLE_WS_FAKE_ACT && g >= kStages) mbar_arrive(p.full + s);
+        else if (d == 0) {
           mbar_arrive_tx(p.full + s, kABytes);
           bulk_copy(p.act(s), a_tiles + (kt * (mp / 8) + m0 / 8) * 1024, kABytes, p.full + s);
         }
-        decode_half<K>(ring[j][0], p.wts(s) + slot);
-        decode_half<K>(ring[j][1], p.wts(s) + slot + 4 * 128);
-        // Refill the slot R k-tiles ahead: this tile's k-tile kt + R, or the next tile's kt + R - n_kt.
-        if (kt + R < sc.n_kt) load(br, kt + R, ring[j]);
-        else load(br_next, kt + R - sc.n_kt, ring[j]);
+        // This thread's copies of k-tile kt have landed (the R - 1 later groups may still be in flight).
+        gemm::cp_async_wait<R - 1>();
+        const uint8_t* raw = p.raw(j);
+        const uint4 q0 = *reinterpret_cast<const uint4*>(raw + d * 32);
+        const uint4 q1 = *reinterpret_cast<const uint4*>(raw + d * 32 + 16);
+        // The scale bytes start at byte (address & 3) of the two words.
+        const uint2 sw = *reinterpret_cast<const uint2*>(raw + kRawCodes + d * 8);
+        const int sh = br.codes ? 8 * static_cast<int>(reinterpret_cast<uintptr_t>(br.scales + kt * kBK / kBlk) & 3) : 0;
+        const uint32_t word = static_cast<uint32_t>((static_cast<uint64_t>(sw.y) << 32 | sw.x) >> sh);
+        uint32_t sc0[2], sc1[2];
+        if constexpr (K == WKind::kMXFP4) {
+          sc0[0] = sc0[1] = word & 0xffu;
+          sc1[0] = sc1[1] = kt * kBK + 32 < k ? (word >> 8) & 0xffu : 0u;
+        } else {
+          sc0[0] = word & 0xffu, sc0[1] = (word >> 8) & 0xffu;
+          sc1[0] = (word >> 16) & 0xffu, sc1[1] = word >> 24;
+        }
+        if (!NIBBLE_WS_FAKE_DEC || g < kStages) {
+          decode_half<K>(q0, sc0, p.wts(s) + slot);
+          decode_half<K>(q1, sc1, p.wts(s) + slot + 4 * 128);
+        }
         wg::fence_proxy_async();  // the stores above are read next by the tensor cores (async proxy)
         mbar_arrive(p.full + s);
+        // Refill the slot R k-tiles ahead: this tile's k-tile kt + R, or the next tile's kt + R - n_kt. After the
+        // fence: it is a MEMBAR.ALL.CTA in SASS, which waits for this thread's outstanding loads (the code ring's
+        // refill issued before it made every k-tile wait a memory latency here; thirteenth session).
+        if (kt + R < sc.n_kt) fetch_raw<K>(br, kt + R, k, d, p.raw(j), a_tiles);
+        else fetch_raw<K>(br_next, kt + R - sc.n_kt, k, d, p.raw(j), a_tiles);
+        gemm::cp_async_commit();
         ++g;
       }
     }
     br = br_next;
     br_next = brow(it + 2);
   }
+  gemm::cp_async_wait<0>();
 }
 
 // A multiplier warpgroup (wg 0 or 1: the tile's weight rows 64 wg ..), one tile: acc (D [its 64 rows][256
@@ -289,7 +350,7 @@ __device__ __forceinline__ void epilogue(const float (&acc)[128], const DevWeigh
   auto row_scale = [&](int row) {
     if (K != WKind::kNVFP4 || row >= n) return 1.0f;
     const DevPart& part = find_part(w, row);
-    return part.divide ? 1.0f / part.global : part.global;
+    return 256.0f * (part.divide ? 1.0f / part.global : part.global);  // (2^8: decode_half's NVFP4 fold)
   };
   const float sa = row_scale(ra), sb = row_scale(rb);
   const float ba = bias && oka ? bias[ra] : 0.0f, bb = bias && okb ? bias[rb] : 0.0f;
