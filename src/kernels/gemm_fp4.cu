@@ -86,6 +86,47 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   }
 }
 
+// The warp-specialized tile's activations (GemmActivations::tiled, one fp16 each), one warp per row as above
+// but in one read: the lane's G octets of the row stay in registers between the max and the stores (the
+// kernel above reads the row twice, the second time from L2; this path is the one every dense prefill GEMM
+// of >= 256 tokens takes on the H200). k <= 256 G.
+template <int G>
+__global__ void __launch_bounds__(kPrepWarps * 32) tiled_activations_kernel(const float* __restrict__ x, int rows, int k,
+                                                                            int64_t tiled_mp, __half* __restrict__ hi,
+                                                                            float* __restrict__ unscale) {
+  const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * k);
+  const int groups = k / 8;
+  float4 v[G][2];
+  float mx = 0.0f;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int q = lane + 32 * g;
+    v[g][0] = v[g][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (q < groups) v[g][0] = __ldg(src + 2 * q), v[g][1] = __ldg(src + 2 * q + 1);
+    const float4 a = v[g][0], b = v[g][1];
+    mx = fmaxf(mx, fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w)))));
+  }
+  mx = warp_max(mx);
+  const int sh = fp16_prescale_shift(mx);
+  const float pre = ldexpf(1.0f, sh);
+  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  uint4* dst = reinterpret_cast<uint4*>(hi);
+  const int padded = wg::padded_k(k) / 8;  // octets up to whole k-tiles; past k they are zeros
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int q = lane + 32 * g;
+    if (q >= padded) break;
+    const float4 a = v[g][0], b = v[g][1];
+    const float u[8] = {a.x * pre, a.y * pre, a.z * pre, a.w * pre, b.x * pre, b.y * pre, b.z * pre, b.w * pre};
+    uint4 h, l;
+    split_octet(u, h, l);
+    dst[ws::chunk_of(r, q / 8, q % 8, tiled_mp)] = h;
+  }
+}
+
 // The sm_90a tile (gemm_fp4_wgmma.cuh): block x over 128 weight rows, y over BM tokens, two warpgroups.
 template <WKind K, int BM, bool kSplit>
 __global__ void __launch_bounds__(wg::kThreads, wg::Tile<BM, kSplit>::kMinBlocks) gemm_fp4_wgmma_kernel(const __grid_constant__ DevWeight w,
@@ -301,6 +342,13 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
   NB_CHECK(rows >= 1 && rows <= (int64_t{1} << 30) && k % 8 == 0 && gather_div >= 1,
            "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
   const bool split = mode == GemmActs::kSplit;
+  const int padded_groups = wg::padded_k(k) / 8;
+  if (out.tiled && !gather && !split && padded_groups <= 32 * 16) {
+    auto kernel = padded_groups <= 32 * 12 ? tiled_activations_kernel<12> : tiled_activations_kernel<16>;
+    kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, static_cast<int>(rows), k, out.mp, out.hi, out.unscale);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   activations_kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(
       x, gather, gather_div, static_cast<int>(rows), k, split, out.wgmma, out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi, out.unscale);
   CUDA_CHECK(cudaGetLastError());
