@@ -127,6 +127,46 @@ __global__ void __launch_bounds__(kPrepWarps * 32) tiled_activations_kernel(cons
   }
 }
 
+// The wgmma tile's activations (GemmActivations::wgmma: the stored k order, hi and with `split` lo), in one
+// read like tiled_activations_kernel: lane l loads exactly the two elements of each k-tile it stores
+// (stored positions 2 l, 2 l + 1: physical j and j + 4) and keeps them in registers between the max and the
+// stores. gather: the MoE FC1's pair -> token rows. k <= 64 NT.
+template <int NT>
+__global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(const float* __restrict__ x,
+                                                                            const int32_t* __restrict__ gather,
+                                                                            int gather_div, int rows, int k, bool split,
+                                                                            __half* __restrict__ hi, __half* __restrict__ lo,
+                                                                            float* __restrict__ unscale) {
+  const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
+  const int kp = wg::padded_k(k), j = wg::stored_of(2 * lane);
+  float v[NT][2];
+  float mx = 0.0f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int k0 = t * wg::kBK;
+    v[t][0] = k0 + j < k ? __ldg(row + k0 + j) : 0.0f;
+    v[t][1] = k0 + j + 4 < k ? __ldg(row + k0 + j + 4) : 0.0f;
+    mx = fmaxf(mx, fmaxf(fabsf(v[t][0]), fabsf(v[t][1])));
+  }
+  mx = warp_max(mx);
+  const int sh = fp16_prescale_shift(mx);
+  const float pre = ldexpf(1.0f, sh);
+  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  uint32_t* dh = reinterpret_cast<uint32_t*>(hi + static_cast<int64_t>(r) * kp);
+  uint32_t* dl = reinterpret_cast<uint32_t*>(lo + static_cast<int64_t>(r) * kp);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int k0 = t * wg::kBK;
+    if (k0 >= kp) break;
+    const float v0 = v[t][0] * pre, v1 = v[t][1] * pre;
+    const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+    dh[(k0 >> 1) + lane] = pack_half2(h0, h1);
+    if (split) dl[(k0 >> 1) + lane] = pack_half2(__float2half_rn(v0 - __half2float(h0)), __float2half_rn(v1 - __half2float(h1)));
+  }
+}
+
 // The sm_90a tile (gemm_fp4_wgmma.cuh): block x over 128 weight rows, y over BM tokens, two warpgroups.
 template <WKind K, int BM, bool kSplit>
 __global__ void __launch_bounds__(wg::kThreads, wg::Tile<BM, kSplit>::kMinBlocks) gemm_fp4_wgmma_kernel(const __grid_constant__ DevWeight w,
@@ -346,6 +386,14 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
   if (out.tiled && !gather && !split && padded_groups <= 32 * 16) {
     auto kernel = padded_groups <= 32 * 12 ? tiled_activations_kernel<12> : tiled_activations_kernel<16>;
     kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, static_cast<int>(rows), k, out.mp, out.hi, out.unscale);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  const int n_kt = wg::padded_k(k) / wg::kBK;
+  if (out.wgmma && !out.tiled && n_kt <= 64) {
+    auto kernel = n_kt <= 48 ? wgmma_activations_kernel<48> : wgmma_activations_kernel<64>;
+    kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, gather, gather_div, static_cast<int>(rows), k, split,
+                                                                  out.hi, split ? out.lo : out.hi, out.unscale);
     CUDA_CHECK(cudaGetLastError());
     return;
   }
