@@ -48,7 +48,7 @@ constexpr int kSmem = kStages * kStageBytes + kMaxRing * kRawBytes;
 // Measurement builds only (their results are wrong): each skips one part of the pipeline so that
 // scripts/gpu-ab.sh variants (NIBBLE_AB_VARIANTS="dec:-DNIBBLE_WS_FAKE_DEC=1 ...") show what it costs --
 // FAKE_ACT: activation copies after the first kStages k-tiles; FAKE_DEC: the decode after them; FAKE_EPI: the
-// epilogue's stores (bench/NOTES.md, thirteenth session).
+// epilogue's stores (bench/NOTES.md, twelfth session).
 #ifndef NIBBLE_WS_FAKE_ACT
 #define NIBBLE_WS_FAKE_ACT 0
 #endif
@@ -143,7 +143,7 @@ __device__ __forceinline__ uint64_t desc(const void* smem) {
 // offset) into a ring slot R k-tiles ahead, and the decode waits for its own copy groups only
 // (cp.async.wait_group). With plain loads into a register ring, ptxas gave the ring's loads few scoreboards,
 // so the decode of k-tile kt also waited for the loads just issued for kt + R (ncu: the decoder stalled on
-// the scale byte's first use, the multipliers waited for the decoder; thirteenth session). Zeros past k or
+// the scale byte's first use, the multipliers waited for the decoder; twelfth session). Zeros past k or
 // past the weight. The scale words are whole aligned words around the wanted bytes (cp.async copies 4, 8 or
 // 16 aligned bytes): at most 3 bytes past the tensor's end, never across a page.
 template <WKind K>
@@ -168,7 +168,7 @@ __device__ __forceinline__ void fetch_raw(const gemm::BRow& br, int kt, int k, i
 //   MXFP4: times 2^14, then times 2^(e - 127) (e8m0_half_bits: exact for e - 127 in [-24, 15]), so the weight
 //     is e2m1 * 2^(e - 127), exact for blocks with exponents in [-23, 13]. (Folding 2^14 into the factor
 //     saves a multiply per pair but needs a second path for the blocks it does not fit: measured slower on
-//     the o and fc2 shapes, thirteenth session.)
+//     the o and fc2 shapes, twelfth session.)
 //   NVFP4: one multiply by F = ue4m3 * 2^6 (in [2^-3, 28672]: always normal), so the weight is e2m1 * ue4m3
 //     * 2^-8, exact (at most 6 significant bits, >= 2^-18); the epilogue multiplies by 2^8.
 template <WKind K>
@@ -299,8 +299,8 @@ __device__ __forceinline__ void decoder(const Pipe& p, const Sched& sc, const De
         wg::fence_proxy_async();  // the stores above are read next by the tensor cores (async proxy)
         mbar_arrive(p.full + s);
         // Refill the slot R k-tiles ahead: this tile's k-tile kt + R, or the next tile's kt + R - n_kt. After the
-        // fence: it is a MEMBAR.ALL.CTA in SASS, which waits for this thread's outstanding loads (the code ring's
-        // refill issued before it made every k-tile wait a memory latency here; thirteenth session).
+        // fence, which is a MEMBAR.ALL.CTA in SASS (any proxy-fence form; it waits for this thread's memory
+        // operations in flight): the fence costs ~4 % of the GEMM even so (twelfth session).
         if (kt + R < sc.n_kt) fetch_raw<K>(br, kt + R, k, d, p.raw(j), a_tiles);
         else fetch_raw<K>(br_next, kt + R - sc.n_kt, k, d, p.raw(j), a_tiles);
         gemm::cp_async_commit();
