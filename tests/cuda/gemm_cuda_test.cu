@@ -129,6 +129,10 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
       {WeightFormat::kNVFP4, 256, 512, 2, false, {64, 65}},
       {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
       {WeightFormat::kMXFP4, 4096, 64, 1, false, {4111}},              // one k-tile, ~4 tiles per block (ws ring)
+      // The activation conversions: k = 4096 is the largest the one-read kernels take (tiled at m = 300 one fp16,
+      // stored wgmma order at m = 70 and hi + lo); k = 4160 goes to the generic two-read kernel.
+      {WeightFormat::kNVFP4, 136, 4096, 1, false, {70, 300}},
+      {WeightFormat::kMXFP4, 136, 4160, 1, false, {70, 300}},
   };
   std::printf("one-fp16 GEMMs of >= 256 tokens on the warp-specialized sm_90a tile: %s\n",
               cuda::gemm_tiled(300, 130, cuda::GemmActs::kFp16, ws_policy_) ? "yes" : "no");
