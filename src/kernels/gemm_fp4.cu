@@ -17,6 +17,17 @@ namespace {
 using gemm::kBN;
 using gemm::kThreads;
 
+__device__ __forceinline__ float octet_absmax(const float4& a, const float4& b) {
+  return fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+               fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+}
+// The row's power-of-two prescale from each lane's max |x| (fp16_prescale_shift); lane 0 stores its inverse.
+__device__ __forceinline__ float row_prescale(float lane_max, int lane, float* unscale) {
+  const int sh = fp16_prescale_shift(warp_max(lane_max));
+  if (lane == 0) *unscale = ldexpf(1.0f, -sh);
+  return ldexpf(1.0f, sh);
+}
+
 // One warp per output row: max |x| over the row, then the row scaled by 2^s and split into fp16 hi (+ lo),
 // in the consuming tile's k order (GemmActivations).
 constexpr int kPrepWarps = 8;
@@ -35,13 +46,9 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   float mx = 0.0f;
   for (int q = lane; q < groups; q += 32) {
     const float4 a = __ldg(src + 2 * q), b = __ldg(src + 2 * q + 1);
-    mx = fmaxf(mx, fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w)))));
+    mx = fmaxf(mx, octet_absmax(a, b));
   }
-  mx = warp_max(mx);
-  const int sh = fp16_prescale_shift(mx);
-  const float pre = ldexpf(1.0f, sh);
-  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  const float pre = row_prescale(mx, lane, unscale + r);
   if (tiled_mp > 0) {
     // One 16-byte chunk (8 elements, order 0 4 1 5 2 6 3 7) per lane and step, at its core-matrix place;
     // the k pad up to whole k-tiles as zeros.
@@ -106,13 +113,9 @@ __global__ void __launch_bounds__(kPrepWarps * 32) tiled_activations_kernel(cons
     v[g][0] = v[g][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (q < groups) v[g][0] = __ldg(src + 2 * q), v[g][1] = __ldg(src + 2 * q + 1);
     const float4 a = v[g][0], b = v[g][1];
-    mx = fmaxf(mx, fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w)))));
+    mx = fmaxf(mx, octet_absmax(a, b));
   }
-  mx = warp_max(mx);
-  const int sh = fp16_prescale_shift(mx);
-  const float pre = ldexpf(1.0f, sh);
-  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  const float pre = row_prescale(mx, lane, unscale + r);
   uint4* dst = reinterpret_cast<uint4*>(hi);
   const int padded = wg::padded_k(k) / 8;  // octets up to whole k-tiles; past k they are zeros
 #pragma unroll
@@ -150,10 +153,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(cons
     v[t][1] = k0 + j + 4 < k ? __ldg(row + k0 + j + 4) : 0.0f;
     mx = fmaxf(mx, fmaxf(fabsf(v[t][0]), fabsf(v[t][1])));
   }
-  mx = warp_max(mx);
-  const int sh = fp16_prescale_shift(mx);
-  const float pre = ldexpf(1.0f, sh);
-  if (lane == 0) unscale[r] = ldexpf(1.0f, -sh);
+  const float pre = row_prescale(mx, lane, unscale + r);
   uint32_t* dh = reinterpret_cast<uint32_t*>(hi + static_cast<int64_t>(r) * kp);
   uint32_t* dl = reinterpret_cast<uint32_t*>(lo + static_cast<int64_t>(r) * kp);
 #pragma unroll
