@@ -93,17 +93,20 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   }
 }
 
-// The warp-specialized tile's activations (GemmActivations::tiled, one fp16 each), one warp per row as above
-// but in one read: the lane's G octets of the row stay in registers between the max and the stores (the
-// kernel above reads the row twice, the second time from L2; this path is the one every dense prefill GEMM
-// of >= 256 tokens takes on the H200). k <= 256 G.
-template <int G>
-__global__ void __launch_bounds__(kPrepWarps * 32) tiled_activations_kernel(const float* __restrict__ x, int rows, int k,
+// The warp-specialized tile's activations (GemmActivations::tiled, one fp16 each) or the portable tile's
+// (row-major, hi and with `split` lo), one warp per row as above but in one read: the lane's G octets of the
+// row stay in registers between the max and the stores (the kernel above reads the row twice, the second
+// time from L2). gather: the MoE FC1's pair -> token rows. k <= 256 G.
+template <int G, bool kTiled>
+__global__ void __launch_bounds__(kPrepWarps * 32) octet_activations_kernel(const float* __restrict__ x,
+                                                                            const int32_t* __restrict__ gather,
+                                                                            int gather_div, int rows, int k, bool split,
                                                                             int64_t tiled_mp, __half* __restrict__ hi,
+                                                                            __half* __restrict__ lo,
                                                                             float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= rows) return;
-  const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * k);
+  const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k);
   const int groups = k / 8;
   float4 v[G][2];
   float mx = 0.0f;
@@ -112,26 +115,32 @@ __global__ void __launch_bounds__(kPrepWarps * 32) tiled_activations_kernel(cons
     const int q = lane + 32 * g;
     v[g][0] = v[g][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (q < groups) v[g][0] = __ldg(src + 2 * q), v[g][1] = __ldg(src + 2 * q + 1);
-    const float4 a = v[g][0], b = v[g][1];
-    mx = fmaxf(mx, octet_absmax(a, b));
+    mx = fmaxf(mx, octet_absmax(v[g][0], v[g][1]));
   }
   const float pre = row_prescale(mx, lane, unscale + r);
-  uint4* dst = reinterpret_cast<uint4*>(hi);
-  const int padded = wg::padded_k(k) / 8;  // octets up to whole k-tiles; past k they are zeros
+  // Tiled: octets up to whole k-tiles (past k zeros), at their core-matrix places; else the row's octets.
+  const int n_out = kTiled ? wg::padded_k(k) / 8 : groups;
+  uint4* dh = reinterpret_cast<uint4*>(hi) + (kTiled ? 0 : static_cast<int64_t>(r) * groups);
+  uint4* dl = reinterpret_cast<uint4*>(lo) + static_cast<int64_t>(r) * groups;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const int q = lane + 32 * g;
-    if (q >= padded) break;
+    if (q >= n_out) break;
     const float4 a = v[g][0], b = v[g][1];
     const float u[8] = {a.x * pre, a.y * pre, a.z * pre, a.w * pre, b.x * pre, b.y * pre, b.z * pre, b.w * pre};
     uint4 h, l;
-    split_octet(u, h, l);
-    dst[ws::chunk_of(r, q / 8, q % 8, tiled_mp)] = h;
+    split_octet(u, h, l);  // pair i holds elements i and i + 4: the order the weight decode yields
+    if (kTiled) {
+      dh[ws::chunk_of(r, q / 8, q % 8, tiled_mp)] = h;
+    } else {
+      dh[q] = h;
+      if (split) dl[q] = l;
+    }
   }
 }
 
 // The wgmma tile's activations (GemmActivations::wgmma: the stored k order, hi and with `split` lo), in one
-// read like tiled_activations_kernel: lane l loads exactly the two elements of each k-tile it stores
+// read like octet_activations_kernel: lane l loads exactly the two elements of each k-tile it stores
 // (stored positions 2 l, 2 l + 1: physical j and j + 4) and keeps them in registers between the max and the
 // stores. gather: the MoE FC1's pair -> token rows. k <= 64 NT.
 template <int NT>
@@ -382,10 +391,15 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
   NB_CHECK(rows >= 1 && rows <= (int64_t{1} << 30) && k % 8 == 0 && gather_div >= 1,
            "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
   const bool split = mode == GemmActs::kSplit;
+  // Rows of up to 4096 elements in one read (octet_ / wgmma_activations_kernel); longer ones below.
   const int padded_groups = wg::padded_k(k) / 8;
-  if (out.tiled && !gather && !split && padded_groups <= 32 * 16) {
-    auto kernel = padded_groups <= 32 * 12 ? tiled_activations_kernel<12> : tiled_activations_kernel<16>;
-    kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, static_cast<int>(rows), k, out.mp, out.hi, out.unscale);
+  if ((out.tiled || !out.wgmma) && padded_groups <= 32 * 16) {
+    const bool g12 = padded_groups <= 32 * 12;
+    auto kernel = out.tiled ? (g12 ? octet_activations_kernel<12, true> : octet_activations_kernel<16, true>)
+                            : (g12 ? octet_activations_kernel<12, false> : octet_activations_kernel<16, false>);
+    kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, gather, gather_div, static_cast<int>(rows), k, split,
+                                                                  out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi,
+                                                                  out.unscale);
     CUDA_CHECK(cudaGetLastError());
     return;
   }
