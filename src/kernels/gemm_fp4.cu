@@ -363,10 +363,11 @@ bool gemm_wgmma() {
 bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
   if (policy == 0 || mode != GemmActs::kFp16 || m < ws::kBM || !gemm_wgmma()) return false;
   if (policy == 1) return true;
-  // From two token tiles on, even a grid of a third of the SMs beats the wgmma tile (H100, M = 512: qkv 85 ->
-  // 50 us on 80 blocks, o 91 -> 68 on 46; bench/NOTES.md, thirteenth session); one token tile only when the
-  // grid fills the GPU (not measured below that).
-  return m >= 2 * ws::kBM || static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM) >= sm_count();
+  // Where its grid fills the GPU; and from two token tiles on, down to a grid of a third of the SMs, where it
+  // still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on 46; bench/NOTES.md,
+  // thirteenth session). Smaller grids and single token tiles were not measured: the wgmma tile keeps them.
+  const int64_t tiles = static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM);
+  return tiles >= sm_count() || (m >= 2 * ws::kBM && 3 * tiles >= sm_count());
 }
 
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {

@@ -44,8 +44,8 @@ struct GemmActivations {
 };
 
 // Whether launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on the warp-specialized sm_90a tile
-// (gemm_fp4_ws.cuh), which needs its activations tiled. policy: -1 from m >= 512 or when its grid fills the
-// GPU, 0 never, 1 whenever it can (sm_90a, one fp16, m >= 256); CudaBackendOptions::gemm_ws.
+// (gemm_fp4_ws.cuh), which needs its activations tiled. policy: -1 when its grid fills the GPU or, from m >=
+// 512, a third of it; 0 never, 1 whenever it can (sm_90a, one fp16, m >= 256); CudaBackendOptions::gemm_ws.
 bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy);
 
 // Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).

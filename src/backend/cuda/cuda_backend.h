@@ -41,8 +41,8 @@ struct CudaBackendOptions {
   // of a second kernel (which steps beyond 65536 (token, head) pairs use anyway).
   bool decode_fusion = true;
   // FP4 dense prefill GEMMs on the warp-specialized sm_90a tile (gemm_fp4_ws.cuh, one-fp16 activations
-  // only): -1 from 512 tokens on or where its 128 x 256 blocks fill the GPU, 0 never (the wgmma tile), 1
-  // from 256 tokens on (tests). NIBBLE_GEMM_WS=0|1.
+  // only): -1 where its 128 x 256 blocks fill the GPU or, from 512 tokens, a third of it, 0 never (the
+  // wgmma tile), 1 from 256 tokens on (tests). NIBBLE_GEMM_WS=0|1.
   int gemm_ws = -1;
   // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=0 makes it a no-op: a benchmark baseline).
   bool l2_prefetch = true;
