@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<BM, kSplit>::kLaunchMinBl
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
   typename gemm::Tile<BM, kSplit>::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(m0) * k;
-  gemm::mainloop<K, gemm::Tile<BM, kSplit>>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
-  gemm::epilogue<gemm::Tile<BM, kSplit>>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {
+  gemm::mainloop<K, gemm::Tile<BM, kSplit>, BM == 64 || kSplit>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
+  gemm::epilogue<K, gemm::Tile<BM, kSplit>>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {
     const int c = n0 + col;
     float* dst = y + static_cast<int64_t>(m0 + row) * n + c;
     if (c < n) dst[0] = v0 + (bias ? bias[c] : 0.0f);

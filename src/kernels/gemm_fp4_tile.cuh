@@ -19,6 +19,13 @@
 //   fp32 re-scaling of the accumulators per 32-element block (which would double their registers).
 //   NVFP4: e2m1 * ue4m3 is always exact in fp16 (at most 6 significant bits, |v| in [2^-10, 2688]); the
 //   part's global scale (multiply or divide convention) is applied per output column in the epilogue.
+// One multiply per element pair: the codes decode to e2m1 * 2^-14 (e2m1_word), and the block factor carries
+// the 2^14 back, less a fixed power of two kFold that the epilogue multiplies back (fold_of<K>):
+//   MXFP4: F = 2^(e + 14) (kFold = 1) while that fits fp16, e <= 1 (block max |w| up to 12); a block with
+//   e in [2, 13] takes F = 2^15 and a second factor 2^(e - 1), a multiply its whole warp pays (a vote) and
+//   trained checkpoints (|w| ~ 2^-12 .. 2^2) hardly ever need. Same exact range as above, [-23, 13].
+//   NVFP4: F = ue4m3 * 2^6 in [2^-3, 28672] (kFold = 2^-8): the weight stored as e2m1 * ue4m3 * 2^-8, exact
+//   (at most 6 significant bits, >= 2^-18).
 // The k order inside every 8 elements is permuted (0,4,1,5,2,6,3,7) -- the order the bit trick yields
 // pairs in -- and the activations are stored in the same order, so the sum is the same.
 #pragma once
@@ -119,6 +126,35 @@ __device__ __forceinline__ uint32_t ue4m3_half_bits(uint32_t c) {
   return hmul2(h | (h << 16), 0x5c005c00u) & 0xffffu;  // 0x5c00 = 256
 }
 
+// a * (b's low half in both halves) or a * (b's high half in both): fp16x2 bits. ptxas folds the broadcast into
+// the HMUL2's operand (.H0_H0 / .H1_H1), so two factors share one register.
+__device__ __forceinline__ uint32_t hmul2_lo(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {l, l};\nmul.rn.f16x2 %0, %1, t;\n}"
+      : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {h, h};\nmul.rn.f16x2 %0, %1, t;\n}"
+      : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The power of two the decoded weights carry (the header's kFold): the epilogue multiplies it back.
+template <WKind K>
+__host__ __device__ constexpr float fold_of() { return K == WKind::kMXFP4 ? 1.0f : 256.0f; }
+
+// An E8M0 code's one-multiply factors for e2m1_word's pairs (e2m1 * 2^-14), fp16 bits in one word: low half
+// f = 2^(x + 14) for x = e - 127 <= 1 (else 2^15), high half g = 2^(x - 1) for the rare blocks above (else 1);
+// NaN for e = 0xFF.
+__device__ __forceinline__ uint32_t e8m0_fold_bits(uint32_t e) {
+  const int x = static_cast<int>(e) - 127;
+  const uint32_t hg = x > 1 ? e8m0_half_bits(e - 1) : 0x3c00u;
+  const uint32_t hf = e == 0xffu ? 0x7e00u : e8m0_half_bits(static_cast<uint32_t>(min(x, 1) + 141));
+  return hf | (hg << 16);
+}
+
 // This thread's weight row for the decode: tile row tid / 2, k half tid % 2 of each 64-wide k-tile.
 struct BRow {
   const uint8_t* codes = nullptr;   // [k/2] E2M1 codes of the row, or null past the weight
@@ -148,8 +184,11 @@ __device__ __forceinline__ BRow brow_of(const DevWeight& w, int row, int k, int 
 
 // acc[mt][nt][4] (mma C layout) += A[rows a_rows, k] x W^T over the whole k for this block's 128 columns.
 // a_hi / a_lo: the tile's first A row, row stride k (fp16, permuted k order); rows >= a_rows read as zero.
-// T: a Tile<...>; br: this thread's weight row, tile row threadIdx.x / T::kRowThreads.
-template <WKind K, class T>
+// T: a Tile<...>; br: this thread's weight row, tile row threadIdx.x / T::kRowThreads. kSkipEmpty: m16 tiles
+// without rows (the tail of M, a small expert) skip their MMAs. That data-dependent branch makes the compiler
+// fence every m16 tile's MMAs with reconvergence points (BSSY / WARPSYNC; a predicated mma.sync compiles to a
+// branch per MMA), so the dense GEMM, whose only partial tile is the last, multiplies the zero rows instead.
+template <WKind K, class T, bool kSkipEmpty>
 __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
                                          int a_rows, int k, const BRow& br, typename T::Acc& acc) {
   constexpr int BM = T::kRows, H = T::kHalves;
@@ -164,80 +203,113 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
   static_assert(T::kRowThreads == 2 || T::kRowThreads == 1, "1 or 2 threads per weight row");
   const int my_row = T::kRowThreads == 2 ? tid >> 1 : tid, my_half = T::kRowThreads == 2 ? tid & 1 : 0;  // first of H halves
 
+  // A: this thread copies 16-byte chunk a_ch of rows a_r0 + i * kRowStep (i < kCopies) of every k-tile; the
+  // swizzle keeps the chunk's column for all of them (kRowStep is a multiple of 8), so the shared offsets
+  // are one base plus constants and the global ones one pointer plus kt * 64.
+  constexpr int kRowStep = T::kThreadsT / 8, kCopies = BM / kRowStep;
+  static_assert(kRowStep % 8 == 0 && BM % kRowStep == 0, "whole rows of chunks per pass");
+  const int a_r0 = tid >> 3, a_ch = tid & 7, a_dst = swz(a_r0, a_ch);
+  const int a_src = a_r0 * k + a_ch * 8, a_step = kRowStep * k;  // < BM * k elements: fits an int
   auto load_a = [&](int kt, int s) {
     const int k0 = kt * kBK;
-    for (int c = tid; c < BM * 8; c += T::kThreadsT) {
-      const int r = c >> 3, ch = c & 7, kk = k0 + ch * 8;
-      const bool ok = r < a_rows && kk < k;
-      const int64_t off = ok ? static_cast<int64_t>(r) * k + kk : 0;
-      cp_async16(stage_a(s, 0) + swz(r, ch), a_hi + off, ok);
-      if constexpr (kSplit) cp_async16(stage_a(s, 1) + swz(r, ch), a_lo + off, ok);
+    const bool k_ok = k0 + a_ch * 8 < k;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const bool ok = k_ok && a_r0 + i * kRowStep < a_rows;
+      const int off = a_src + i * a_step + k0;
+      cp_async16(stage_a(s, 0) + a_dst + i * kRowStep * 8, ok ? a_hi + off : a_hi, ok);
+      if constexpr (kSplit) cp_async16(stage_a(s, 1) + a_dst + i * kRowStep * 8, ok ? a_lo + off : a_lo, ok);
     }
   };
-  // This thread's 32 codes of k-tile kt (tile row my_row, k half `half`) and their block factors as fp16x2
-  // (NVFP4: words 0-1 and 2-3); zeros past k or the weight, so decoding them writes zeros.
-  auto fetch = [&](int kt, int half, uint4& c, uint32_t (&f)[2]) {
+  // This thread's 32 codes of k-tile kt (tile row my_row, k half `half`) and their scale codes (MXFP4: one,
+  // NVFP4: two); zeros past k or the weight, so decoding them writes zeros. The factors are formed at the
+  // decode, a step later, so nothing waits for these loads before then.
+  auto fetch = [&](int kt, int half, uint4& c, uint32_t (&sc)[2]) {
     const int kk = kt * kBK + 32 * half;
     c = make_uint4(0, 0, 0, 0);
-    f[0] = f[1] = 0;
+    sc[0] = sc[1] = 0;
     if (!br.codes || kk >= k) return;
     c = __ldg(reinterpret_cast<const uint4*>(br.codes + kk / 2));
     if constexpr (K == WKind::kMXFP4) {
-      const uint32_t h = e8m0_half_bits(__ldg(br.scales + kk / 32));
-      f[0] = f[1] = h | (h << 16);
+      sc[0] = __ldg(br.scales + kk / 32);
     } else {
-      const uint32_t h0 = ue4m3_half_bits(__ldg(br.scales + kk / 16));
-      const uint32_t h1 = ue4m3_half_bits(__ldg(br.scales + kk / 16 + 1));
-      f[0] = h0 | (h0 << 16);
-      f[1] = h1 | (h1 << 16);
+      sc[0] = __ldg(br.scales + kk / 16);
+      sc[1] = __ldg(br.scales + kk / 16 + 1);
     }
   };
-  // Quarter q (codes word q: 8 codes) of the decode into one 16-byte chunk of weight tile b.
-  auto decode = [&](const uint4& c, const uint32_t (&f)[2], int half, int q, uint4* b) {
+  // The factors of a half's scale codes (the header's one-multiply fold) as two fp16 in one word: MXFP4 f (low)
+  // and g (high, 1 unless the block's exponent is above 1: e8m0_fold_bits); NVFP4 the factors of its two
+  // 16-element halves.
+  auto factors = [&](const uint32_t (&sc)[2]) -> uint32_t {
+    if constexpr (K == WKind::kMXFP4) {
+      return e8m0_fold_bits(sc[0]);
+    } else {
+      const uint32_t h = ((sc[0] & 0x7fu) << 7) | ((sc[1] & 0x7fu) << 23);  // ue4m3 * 2^-8 as fp16 bits
+      return hmul2(h, 0x74007400u);                                         // * 2^14 = ue4m3 * 2^6
+    }
+  };
+  // Quarter q (codes word q: 8 codes) of the decode into one 16-byte chunk of weight tile b. `slow`: some lane
+  // of the warp has an MXFP4 block above 2^1 (warp-uniform). The hi + lo tiles always multiply g too: their
+  // registers do not hold the vote's branch without spilling (MXFP4, 128 rows), and their MMAs dominate.
+  auto decode = [&](const uint4& c, uint32_t fa, bool slow, int half, int q, uint4* b) {
     const uint32_t word = q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w;
     uint32_t h[4];
+    e2m1_word(word, h);  // e2m1 * 2^-14
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t e = e2m1_pair_scaled(word >> (4 * i));  // e2m1 * 2^-14
-      h[i] = hmul2(hmul2(e, 0x74007400u), f[q >> 1]);      // * 2^14 * factor
+    for (int i = 0; i < 4; ++i) h[i] = K == WKind::kNVFP4 && q >= 2 ? hmul2_hi(h[i], fa) : hmul2_lo(h[i], fa);
+    if (K == WKind::kMXFP4 && (kSplit || slow)) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = hmul2_hi(h[i], fa);
     }
     b[swz(my_row, 4 * half + q)] = make_uint4(h[0], h[1], h[2], h[3]);
   };
+  auto any_slow = [&](const uint32_t (&fa)[H]) {
+    bool s = false;
+#pragma unroll
+    for (int h = 0; h < H; ++h) s |= (fa[h] >> 16) != 0x3c00u;
+    return K == WKind::kMXFP4 && !kSplit && __any_sync(0xffffffffu, s);
+  };
 
-  // One k16 slice's fragments: B for the warp's n8 tiles, A (and lo) for its m16 tiles that hold rows.
+  // One k16 slice's fragments: B for the warp's n8 tiles, A (and lo) for its m16 tiles.
   struct Frags {
     uint32_t b[T::kNT][2];
     uint32_t a[T::kMT][4];
     uint32_t l[T::kMT][4];
   };
   const int mt_rows = a_rows - warp_m * T::kWarpRows;  // rows of this warp's tile (empty m16 tiles cost no MMAs)
-  auto load_frags = [&](const uint4* bs, const uint4* sa, const uint4* sl, int ks, Frags& fr) {
+  auto load_b = [&](const uint4* bs, int ks, uint32_t (&b)[T::kNT][2]) {
     const int j = lane >> 3;
 #pragma unroll
     for (int p = 0; p < T::kNT / 2; ++p) {
       const int r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
       uint32_t v[4];
       ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
-      fr.b[2 * p][0] = v[0], fr.b[2 * p][1] = v[1], fr.b[2 * p + 1][0] = v[2], fr.b[2 * p + 1][1] = v[3];
+      b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
     }
+  };
+  auto load_a_frag = [&](const uint4* sa, int ks, int mt, uint32_t (&a)[4]) {  // rows past a_rows: zeros
+    const int j = lane >> 3, r = warp_m * T::kWarpRows + mt * 16 + (j & 1) * 8 + (lane & 7);
+    ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
+  };
+  auto mma_row = [&](int mt, const uint32_t (&a)[4], const uint32_t (&b)[T::kNT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+  };
+  auto load_frags = [&](const uint4* bs, const uint4* sa, const uint4* sl, int ks, Frags& fr) {
+    load_b(bs, ks, fr.b);
 #pragma unroll
     for (int mt = 0; mt < T::kMT; ++mt) {
-      if (mt * 16 >= mt_rows) break;
-      const int r = warp_m * T::kWarpRows + mt * 16 + (j & 1) * 8 + (lane & 7);
-      ldmatrix_x4(fr.a[mt], sa + swz(r, 2 * ks + (j >> 1)));
-      if constexpr (kSplit) ldmatrix_x4(fr.l[mt], sl + swz(r, 2 * ks + (j >> 1)));
+      if (kSkipEmpty && mt * 16 >= mt_rows) break;
+      load_a_frag(sa, ks, mt, fr.a[mt]);
+      if constexpr (kSplit) load_a_frag(sl, ks, mt, fr.l[mt]);
     }
   };
   auto mmas = [&](const Frags& fr) {
 #pragma unroll
     for (int mt = 0; mt < T::kMT; ++mt) {
-      if (mt * 16 >= mt_rows) break;
-#pragma unroll
-      for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], fr.a[mt], fr.b[nt][0], fr.b[nt][1]);
-      if constexpr (kSplit) {
-#pragma unroll
-        for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], fr.l[mt], fr.b[nt][0], fr.b[nt][1]);
-      }
+      if (kSkipEmpty && mt * 16 >= mt_rows) break;
+      mma_row(mt, fr.a[mt], fr.b);
+      if constexpr (kSplit) mma_row(mt, fr.l[mt], fr.b);
     }
   };
 
@@ -247,13 +319,15 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     cp_async_commit();
   }
   uint4 c[H];
-  uint32_t f[H][2];
+  uint32_t sc[H][2];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    fetch(0, my_half + h, c[h], f[h]);
+    fetch(0, my_half + h, c[h], sc[h]);
+    const uint32_t fa = factors(sc[h]);
+    const bool slow = K == WKind::kMXFP4 && !kSplit && __any_sync(0xffffffffu, (fa >> 16) != 0x3c00u);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) decode(c[h], f[h], my_half + h, q, tile_b(0));
-    fetch(1, my_half + h, c[h], f[h]);
+    for (int q = 0; q < 4; ++q) decode(c[h], fa, slow, my_half + h, q, tile_b(0));
+    fetch(1, my_half + h, c[h], sc[h]);
   }
   for (int kt = 0; kt < n_kt; ++kt) {
     cp_async_wait<S - 2>();
@@ -263,12 +337,14 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     if (kt + S - 1 < n_kt) load_a(kt + S - 1, (kt + S - 1) % S);
     cp_async_commit();
     uint4 cn[H];  // codes and factors of tile kt + 1 (zeros past the end: decoded into a free buffer)
-    uint32_t fn[H][2];
+    uint32_t fn[H];
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      cn[h] = c[h], fn[h][0] = f[h][0], fn[h][1] = f[h][1];
-      fetch(kt + 2, my_half + h, c[h], f[h]);
+      cn[h] = c[h];
+      fn[h] = factors(sc[h]);
+      fetch(kt + 2, my_half + h, c[h], sc[h]);
     }
+    const bool slow = any_slow(fn);
     const uint4* bs = tile_b(kt);
     uint4* bn = tile_b(kt + 1);
     const uint4* sa = stage_a(kt % S, 0);
@@ -283,37 +359,37 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
         if (ks + 1 < kBK / 16) load_frags(bs, sa, sl, ks + 1, fr[(ks + 1) & 1]);
         mmas(fr[ks & 1]);
 #pragma unroll
-        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], my_half + h, ks, bn);
+        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], slow, my_half + h, ks, bn);
       }
     } else {
       // One register set: each slice's A fragment is reused for hi and lo in turn (3 blocks of 64 rows per
-      // SM leave 80 registers).
+      // SM leave 80 registers); with one fp16 and no skipping, the slice's A fragments are all read before
+      // its MMAs.
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {
         uint32_t b[T::kNT][2];
+        load_b(bs, ks, b);
+        if constexpr (!kSplit && !kSkipEmpty) {
+          uint32_t a[T::kMT][4];
 #pragma unroll
-        for (int p = 0; p < T::kNT / 2; ++p) {
-          const int j = lane >> 3, r = warp_n * (kBN / T::kWarpsN) + p * 16 + (j >> 1) * 8 + (lane & 7);
-          uint32_t v[4];
-          ldmatrix_x4(v, bs + swz(r, 2 * ks + (j & 1)));
-          b[2 * p][0] = v[0], b[2 * p][1] = v[1], b[2 * p + 1][0] = v[2], b[2 * p + 1][1] = v[3];
-        }
+          for (int mt = 0; mt < T::kMT; ++mt) load_a_frag(sa, ks, mt, a[mt]);
 #pragma unroll
-        for (int mt = 0; mt < T::kMT; ++mt) {
-          if (mt * 16 >= mt_rows) break;  // empty m16 tiles (the tail of M, a small expert) cost no MMAs
-          const int j = lane >> 3, r = warp_m * T::kWarpRows + mt * 16 + (j & 1) * 8 + (lane & 7);
-          uint32_t a[4];
-          ldmatrix_x4(a, sa + swz(r, 2 * ks + (j >> 1)));
+          for (int mt = 0; mt < T::kMT; ++mt) mma_row(mt, a[mt], b);
+        } else {
 #pragma unroll
-          for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
-          if constexpr (kSplit) {
-            ldmatrix_x4(a, sl + swz(r, 2 * ks + (j >> 1)));
-#pragma unroll
-            for (int nt = 0; nt < T::kNT; ++nt) mma_f16_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
+          for (int mt = 0; mt < T::kMT; ++mt) {
+            if (kSkipEmpty && mt * 16 >= mt_rows) break;
+            uint32_t a[4];
+            load_a_frag(sa, ks, mt, a);
+            mma_row(mt, a, b);
+            if constexpr (kSplit) {
+              load_a_frag(sl, ks, mt, a);
+              mma_row(mt, a, b);
+            }
           }
         }
 #pragma unroll
-        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], my_half + h, ks, bn);  // tile kt + 1, a quarter per slice
+        for (int h = 0; h < H; ++h) decode(cn[h], fn[h], slow, my_half + h, ks, bn);  // tile kt + 1, a quarter per slice
       }
     }
   }
@@ -321,9 +397,9 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
 }
 
 // Calls out(row, col, v0, v1) for every pair of adjacent tile columns (col even) of this thread's
-// accumulators in rows < a_rows, with v = acc * unscale[row] * the column's global scale. `out` checks
+// accumulators in rows < a_rows, with v = acc * unscale[row] * kFold * the column's global scale. `out` checks
 // the columns (ci.row[col] < 0: past the weight).
-template <class T, class Out>
+template <WKind K, class T, class Out>
 __device__ __forceinline__ void epilogue(const typename T::Acc& acc, const ColInfo& ci,
                                          const float* __restrict__ unscale, int a_rows, Out&& out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -334,7 +410,7 @@ __device__ __forceinline__ void epilogue(const typename T::Acc& acc, const ColIn
     for (int half = 0; half < 2; ++half) {
       const int row = warp_m * T::kWarpRows + mt * 16 + g + 8 * half;
       if (row >= a_rows) continue;
-      const float u = unscale[row];
+      const float u = unscale[row] * fold_of<K>();  // the weights' kFold back
 #pragma unroll
       for (int nt = 0; nt < T::kNT; ++nt) {
         const int col = warp_n * (kBN / T::kWarpsN) + nt * 8 + 2 * t;

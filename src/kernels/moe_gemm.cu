@@ -87,10 +87,10 @@ __global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, g
   const gemm::BRow br = gemm::brow_of(w, row_of(tid / T::kRowThreads), w.k, K == WKind::kMXFP4 ? 32 : 16);
   typename T::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
-  gemm::mainloop<K, T>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  gemm::mainloop<K, T, true>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
   const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(e) * 2 * d : nullptr;
-  gemm::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float g, float u) {
+  gemm::epilogue<K, T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float g, float u) {
     const int j = j0 + col / 2;
     if (j >= d) return;
     if (bias) g += bias[ci.row[col]], u += bias[ci.row[col + 1]];
@@ -118,9 +118,9 @@ __global__ void __launch_bounds__(gemm::Tile<kBM, kSplit, kPf, kW>::kThreadsT, g
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, w.k, K == WKind::kMXFP4 ? 32 : 16);
   typename T::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(base) * w.k;
-  gemm::mainloop<K, T>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
+  gemm::mainloop<K, T, true>(smem, a.hi + a_off, a.lo + a_off, rows, w.k, br, acc);
   const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(e) * n : nullptr;
-  gemm::epilogue<T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float v0, float v1) {
+  gemm::epilogue<K, T>(acc, ci, a.unscale + base, rows, [&](int row, int col, float v0, float v1) {
     const int c = n0 + col;
     const float wt = weights[pair_of[base + row]];
     float* dst = y_slot + static_cast<int64_t>(base + row) * n + c;
