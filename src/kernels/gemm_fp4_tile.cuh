@@ -148,10 +148,14 @@ __host__ __device__ constexpr float fold_of() { return K == WKind::kMXFP4 ? 1.0f
 // An E8M0 code's one-multiply factors for e2m1_word's pairs (e2m1 * 2^-14), fp16 bits in one word: low half
 // f = 2^(x + 14) for x = e - 127 <= 1 (else 2^15), high half g = 2^(x - 1) for the rare blocks above (else 1);
 // NaN for e = 0xFF.
+// Branch-free (e8m0_half_bits's comparisons compile to branches): 2^x through fp32 and one conversion.
+__device__ __forceinline__ uint32_t pow2_half_bits(int x) {  // x in [-126, 127]: 0 or subnormal below, inf above
+  return __half_as_ushort(__float2half_rn(__int_as_float((x + 127) << 23)));
+}
 __device__ __forceinline__ uint32_t e8m0_fold_bits(uint32_t e) {
   const int x = static_cast<int>(e) - 127;
-  const uint32_t hg = x > 1 ? e8m0_half_bits(e - 1) : 0x3c00u;
-  const uint32_t hf = e == 0xffu ? 0x7e00u : e8m0_half_bits(static_cast<uint32_t>(min(x, 1) + 141));
+  const uint32_t hf = pow2_half_bits(min(x, 1) + 14);
+  const uint32_t hg = e == 0xffu ? 0x7e00u : x > 1 ? pow2_half_bits(x - 1) : 0x3c00u;
   return hf | (hg << 16);
 }
 
@@ -209,16 +213,17 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
   constexpr int kRowStep = T::kThreadsT / 8, kCopies = BM / kRowStep;
   static_assert(kRowStep % 8 == 0 && BM % kRowStep == 0, "whole rows of chunks per pass");
   const int a_r0 = tid >> 3, a_ch = tid & 7, a_dst = swz(a_r0, a_ch);
-  const int a_src = a_r0 * k + a_ch * 8, a_step = kRowStep * k;  // < BM * k elements: fits an int
+  const unsigned a_src = a_r0 * k + a_ch * 8, a_step = kRowStep * k;  // < BM * k elements: fits 32 bits
   auto load_a = [&](int kt, int s) {
     const int k0 = kt * kBK;
     const bool k_ok = k0 + a_ch * 8 < k;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const bool ok = k_ok && a_r0 + i * kRowStep < a_rows;
-      const int off = a_src + i * a_step + k0;
-      cp_async16(stage_a(s, 0) + a_dst + i * kRowStep * 8, ok ? a_hi + off : a_hi, ok);
-      if constexpr (kSplit) cp_async16(stage_a(s, 1) + a_dst + i * kRowStep * 8, ok ? a_lo + off : a_lo, ok);
+      // (an unsigned select, then one wide multiply-add for the address: no pointer selects or sign extension)
+      const unsigned off = ok ? a_src + i * a_step + k0 : 0u;
+      cp_async16(stage_a(s, 0) + a_dst + i * kRowStep * 8, a_hi + off, ok);
+      if constexpr (kSplit) cp_async16(stage_a(s, 1) + a_dst + i * kRowStep * 8, a_lo + off, ok);
     }
   };
   // This thread's 32 codes of k-tile kt (tile row my_row, k half `half`) and their scale codes (MXFP4: one,
@@ -229,12 +234,13 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     c = make_uint4(0, 0, 0, 0);
     sc[0] = sc[1] = 0;
     if (!br.codes || kk >= k) return;
-    c = __ldg(reinterpret_cast<const uint4*>(br.codes + kk / 2));
+    const unsigned u = static_cast<unsigned>(kk);  // (unsigned: the divisions are plain shifts)
+    c = __ldg(reinterpret_cast<const uint4*>(br.codes + u / 2));
     if constexpr (K == WKind::kMXFP4) {
-      sc[0] = __ldg(br.scales + kk / 32);
+      sc[0] = __ldg(br.scales + u / 32);
     } else {
-      sc[0] = __ldg(br.scales + kk / 16);
-      sc[1] = __ldg(br.scales + kk / 16 + 1);
+      sc[0] = __ldg(br.scales + u / 16);
+      sc[1] = __ldg(br.scales + u / 16 + 1);
     }
   };
   // The factors of a half's scale codes (the header's one-multiply fold) as two fp16 in one word: MXFP4 f (low)

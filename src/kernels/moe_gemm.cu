@@ -331,7 +331,13 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   }();
   const bool split = mode == GemmActs::kSplit;
   int var = variant;
-  if (var < 0 || !split || t.kind != WKind::kMXFP4) var = n_pairs >= 128 * static_cast<int64_t>(t.n_experts) ? 1 : 0;
+  // (2 and 3 exist for hi + lo MXFP4 only; elsewhere the knob picks the tile height: 1 or 3 = 128 rows.)
+  // One fp16: 128-row tiles from 64 rows per expert on average, as the wgmma tile (most experts then take one
+  // tile instead of a full one and a nearly empty one that decodes the whole weight again: 120b M = 2048 on an
+  // H100, 3170 -> 2937 us); hi + lo from 128 (its 128-row tiles hold twice the MMAs per decode: measured slower
+  // at 64 rows per expert, 3660 -> 3917 us).
+  const int64_t per_expert = split ? 128 : 64;
+  if (var < 0) var = n_pairs >= per_expert * static_cast<int64_t>(t.n_experts) ? 1 : 0;
   // wgmma: 128-row tiles from 64 rows per expert on average (the tile's wgmmas are as wide as its rows, so
   // an expert with fewer costs no extra MMAs, and most experts then take one tile instead of two).
   const int bm = ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
