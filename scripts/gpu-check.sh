@@ -73,6 +73,8 @@ fi
 #   khilo   the FP4 rows of the kernel bench with hi + lo activations (NIBBLE_GEMM_ACTIVATIONS=hi-lo; baseline)
 #   tghilo  tg128 at dense format mxfp4 with hi + lo activations (--gemm-acts hi-lo; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
+#   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS}
+#           and pp2048 of both gpt-oss configs
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
 #           (tools/bench/decode_timeline.py); not in the default list
@@ -89,7 +91,7 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
   tree_hash >"$OUT/tree.txt"
   echo "source fingerprint (scripts/gpu-check.sh --tree-hash): $(cat "$OUT/tree.txt")"
-  for b in ${NIBBLE_BENCHES:-kernel kbase khilo tg tgbase tghilo pp gemm attn}; do
+  for b in ${NIBBLE_BENCHES:-kernel kbase khilo tg tgbase tghilo pp gemm portable attn}; do
     case $b in
       kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
       kbase) bench kernel_base 200 env NIBBLE_FP4_STREAM=0 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
@@ -114,6 +116,10 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
         done ;;
       gemm) bench gemm_bench 300 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-} ;;
       attn) bench attention_bench 200 "$B"/src/nibble_attention_bench ;;
+      portable)
+        bench gemm_portable 300 env NIBBLE_WGMMA=0 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-}
+        bench e2e_pp_portable 150 env NIBBLE_WGMMA=0 "$B"/src/nibble_e2e_bench --no-tg --pp 2048 \
+          configs/gpt-oss-20b configs/gpt-oss-120b ;;
       profile)  # kernel timeline of tg128 (CUPTI, graph nodes included): per kernel, duration and critical-path advance
         rm -rf /tmp/prof && mkdir -p /tmp/prof
         cuda=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
