@@ -238,8 +238,15 @@ __global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __gr
 #endif
 }
 
+// The dense tiles: the 128-row one-fp16 NVFP4 tile reads the next k16 slice's fragments during the current
+// slice's MMAs (kPrefetch: H100, M = 2048 3-7 % faster). MXFP4's doesn't: its vote branch for blocks above
+// 2^1 then spills, and a copy of the step per vote outcome (no spill) measured no faster (bench/NOTES.md,
+// fourteenth session).
 template <WKind K, int BM, bool kSplit>
-__global__ void __launch_bounds__(kThreads, gemm::Tile<BM, kSplit>::kLaunchMinBlocks) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
+using DenseTile = gemm::Tile<BM, kSplit, K == WKind::kNVFP4 && BM == 128 && !kSplit>;
+
+template <WKind K, int BM, bool kSplit>
+__global__ void __launch_bounds__(kThreads, DenseTile<K, BM, kSplit>::kLaunchMinBlocks) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
                                                               const __half* __restrict__ hi,
                                                               const __half* __restrict__ lo,
                                                               const float* __restrict__ unscale, int m,
@@ -251,10 +258,10 @@ __global__ void __launch_bounds__(kThreads, gemm::Tile<BM, kSplit>::kLaunchMinBl
   if (tid < kBN) gemm::set_col(ci, tid, w, n0 + tid < n ? n0 + tid : -1);
   const int my_row = n0 + (tid >> 1);
   const gemm::BRow br = gemm::brow_of(w, my_row < n ? my_row : -1, k, K == WKind::kMXFP4 ? 32 : 16);
-  typename gemm::Tile<BM, kSplit>::Acc acc = {};
+  typename DenseTile<K, BM, kSplit>::Acc acc = {};
   const int64_t a_off = static_cast<int64_t>(m0) * k;
-  gemm::mainloop<K, gemm::Tile<BM, kSplit>, BM == 64 || kSplit>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
-  gemm::epilogue<K, gemm::Tile<BM, kSplit>>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {
+  gemm::mainloop<K, DenseTile<K, BM, kSplit>, BM == 64 || kSplit>(smem, hi + a_off, lo + a_off, a_rows, k, br, acc);
+  gemm::epilogue<K, DenseTile<K, BM, kSplit>>(acc, ci, unscale + m0, a_rows, [&](int row, int col, float v0, float v1) {
     const int c = n0 + col;
     float* dst = y + static_cast<int64_t>(m0 + row) * n + c;
     if (c < n) dst[0] = v0 + (bias ? bias[c] : 0.0f);
@@ -290,7 +297,7 @@ void launch_tiles(Kernel kernel, int threads, int smem, int bm, const DevWeight&
 
 template <WKind K, int BM, bool kSplit>
 void gemm_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  launch_tiles(gemm_fp4_kernel<K, BM, kSplit>, kThreads, gemm::Tile<BM, kSplit>::kSmem, BM, w, m, s, a.hi,
+  launch_tiles(gemm_fp4_kernel<K, BM, kSplit>, kThreads, DenseTile<K, BM, kSplit>::kSmem, BM, w, m, s, a.hi,
                kSplit ? a.lo : a.hi, a.unscale, static_cast<int>(m), bias, y);
 }
 

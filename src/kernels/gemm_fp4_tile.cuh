@@ -79,9 +79,10 @@ struct Tile {
   static constexpr int kSmem = kStages * kStageBytes + 2 * kBBytes;
   using Acc = float[kMT][kNT][4];  // mma C fragments: [m16 tile][n8 tile][4]
   // What __launch_bounds__ asks for: kMinBlocks where the SM's shared memory holds them (sm_90: 228 KiB);
-  // sm_12x (GB10: ~100 KiB per SM) holds one block of either size, so its registers are not squeezed.
+  // sm_12x (GB10: ~100 KiB per SM) holds one block of either size, so its registers are not squeezed (at 128,
+  // the prefetching dense tile spilled there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-  static constexpr int kLaunchMinBlocks = 2;
+  static constexpr int kLaunchMinBlocks = 1;
 #else
   static constexpr int kLaunchMinBlocks = kMinBlocks;
 #endif

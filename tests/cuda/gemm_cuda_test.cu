@@ -128,6 +128,7 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
       {WeightFormat::kNVFP4, 300, 2912, 2, false, {513}},              // 256-token tiles: a partial one, a half k-tile
       {WeightFormat::kNVFP4, 256, 512, 2, false, {64, 65}},
       {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
+      {WeightFormat::kMXFP4, 1040, 96, 1, true, {4111}},               // and its steps with blocks above 2^1
       {WeightFormat::kMXFP4, 4096, 64, 1, false, {4111}},              // one k-tile, ~4 tiles per block (ws ring)
       // The activation conversions: k = 4096 is the largest the one-read kernels take (tiled at m = 300 one fp16,
       // stored wgmma order at m = 70 and hi + lo); k = 4160 goes to the generic two-read kernel.
