@@ -239,11 +239,18 @@ __global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __gr
 }
 
 // The dense tiles: the 128-row one-fp16 NVFP4 tile reads the next k16 slice's fragments during the current
-// slice's MMAs (kPrefetch: H100, M = 2048 3-7 % faster). MXFP4's doesn't: its vote branch for blocks above
-// 2^1 then spills, and a copy of the step per vote outcome (no spill) measured no faster (bench/NOTES.md,
+// slice's MMAs (kPrefetch: H100, M = 2048 3-7 % faster). MXFP4's does so only on sm_12x, whose one block per SM
+// leaves it the registers: at two blocks per SM (128 registers) its vote branch for blocks above 2^1 spills, and
+// a copy of the step per vote outcome measured no faster; at one block per SM it is 5-8 % faster (H100 with
+// -DNIBBLE_TILE_ONEBLOCK, a measurement build that runs sm_12x's occupancy and choices; bench/NOTES.md,
 // fourteenth session).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200) || defined(NIBBLE_TILE_ONEBLOCK)
+constexpr bool kMxfp4Prefetch = true;
+#else
+constexpr bool kMxfp4Prefetch = false;
+#endif
 template <WKind K, int BM, bool kSplit>
-using DenseTile = gemm::Tile<BM, kSplit, K == WKind::kNVFP4 && BM == 128 && !kSplit>;
+using DenseTile = gemm::Tile<BM, kSplit, (K == WKind::kNVFP4 || kMxfp4Prefetch) && BM == 128 && !kSplit>;
 
 template <WKind K, int BM, bool kSplit>
 __global__ void __launch_bounds__(kThreads, DenseTile<K, BM, kSplit>::kLaunchMinBlocks) gemm_fp4_kernel(const __grid_constant__ DevWeight w,
@@ -289,6 +296,9 @@ int pick_bm(int64_t m, int n) {
 template <class Kernel, class... Args>
 void launch_tiles(Kernel kernel, int threads, int smem, int bm, const DevWeight& w, int64_t m, cudaStream_t s,
                   Args... args) {
+#ifdef NIBBLE_TILE_ONEBLOCK
+  smem = std::max(smem, 120 * 1024);  // measurement build: one block per SM, as GB10's shared memory holds
+#endif
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kernel<<<dim3(ceil_div(w.n, kBN), ceil_div(m, bm)), threads, smem, s>>>(w, args...);

@@ -80,8 +80,9 @@ struct Tile {
   using Acc = float[kMT][kNT][4];  // mma C fragments: [m16 tile][n8 tile][4]
   // What __launch_bounds__ asks for: kMinBlocks where the SM's shared memory holds them (sm_90: 228 KiB);
   // sm_12x (GB10: ~100 KiB per SM) holds one block of either size, so its registers are not squeezed (at 128,
-  // the prefetching dense tile spilled there).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  // the prefetching dense tile spilled there); so does the measurement build -DNIBBLE_TILE_ONEBLOCK, which
+  // runs sm_12x's occupancy on an sm_90 GPU (gemm_fp4.cu).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200) || defined(NIBBLE_TILE_ONEBLOCK)
   static constexpr int kLaunchMinBlocks = 1;
 #else
   static constexpr int kLaunchMinBlocks = kMinBlocks;
