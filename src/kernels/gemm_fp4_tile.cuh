@@ -11,8 +11,8 @@
 // (2 x 2 of 64 x 64). Step k+1 is decoded into the other weight tile in four quarters, one after each k16
 // slice of step k's MMAs, so the ALU work issues while the tensor pipe is busy, and one barrier per step
 // suffices. Optionally (kPrefetch) the next slice's fragments are read during the current slice's MMAs.
-// Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), times 2^14
-// (exact), times the block factor as an fp16, folded into the weight:
+// Decoding: E2M1 -> fp16 by bit operations (common.cuh: a code becomes e2m1 * 2^-14 exactly), then the block
+// factor as an fp16 folded into the weight (one multiply, below):
 //   MXFP4: 2^e (E8M0) is exact in fp16 for e in [-24, 15]; e2m1 * 2^e is exact for e in [-23, 13], i.e. any
 //   block whose largest |w| lies in [2^-24, 49152]. Trained weights sit far inside (|w| ~ 2^-12 .. 2^2);
 //   a block outside would round (below) or overflow (above). Folding costs one mul per element pair and no
@@ -23,7 +23,8 @@
 // the 2^14 back, less a fixed power of two kFold that the epilogue multiplies back (fold_of<K>):
 //   MXFP4: F = 2^(e + 14) (kFold = 1) while that fits fp16, e <= 1 (block max |w| up to 12); a block with
 //   e in [2, 13] takes F = 2^15 and a second factor 2^(e - 1), a multiply its whole warp pays (a vote) and
-//   trained checkpoints (|w| ~ 2^-12 .. 2^2) hardly ever need. Same exact range as above, [-23, 13].
+//   trained checkpoints (|w| ~ 2^-12 .. 2^2) hardly ever need (the hi + lo tiles always pay it). Same exact
+//   range as above, [-23, 13].
 //   NVFP4: F = ue4m3 * 2^6 in [2^-3, 28672] (kFold = 2^-8): the weight stored as e2m1 * ue4m3 * 2^-8, exact
 //   (at most 6 significant bits, >= 2^-18).
 // The k order inside every 8 elements is permuted (0,4,1,5,2,6,3,7) -- the order the bit trick yields
