@@ -148,13 +148,14 @@ __device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t b) {
 template <WKind K>
 __host__ __device__ constexpr float fold_of() { return K == WKind::kMXFP4 ? 1.0f : 256.0f; }
 
+// fp16 bits of 2^x for x in [-126, 127] (0 or subnormal below fp16's range, inf above), through fp32 and one
+// conversion: branch-free, where e8m0_half_bits's range checks compile to branches.
+__device__ __forceinline__ uint32_t pow2_half_bits(int x) {
+  return __half_as_ushort(__float2half_rn(__int_as_float((x + 127) << 23)));
+}
 // An E8M0 code's one-multiply factors for e2m1_word's pairs (e2m1 * 2^-14), fp16 bits in one word: low half
 // f = 2^(x + 14) for x = e - 127 <= 1 (else 2^15), high half g = 2^(x - 1) for the rare blocks above (else 1);
 // NaN for e = 0xFF.
-// Branch-free (e8m0_half_bits's comparisons compile to branches): 2^x through fp32 and one conversion.
-__device__ __forceinline__ uint32_t pow2_half_bits(int x) {  // x in [-126, 127]: 0 or subnormal below, inf above
-  return __half_as_ushort(__float2half_rn(__int_as_float((x + 127) << 23)));
-}
 __device__ __forceinline__ uint32_t e8m0_fold_bits(uint32_t e) {
   const int x = static_cast<int>(e) - 127;
   const uint32_t hf = pow2_half_bits(min(x, 1) + 14);
