@@ -301,7 +301,7 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
     uint32_t a[T::kMT][4];
     uint32_t l[T::kMT][4];
   };
-  const int mt_rows = a_rows - warp_m * T::kWarpRows;  // rows of this warp's tile (empty m16 tiles cost no MMAs)
+  const int mt_rows = a_rows - warp_m * T::kWarpRows;  // rows of this warp's tile (kSkipEmpty: for its breaks)
   auto load_b = [&](const uint4* bs, int ks, uint32_t (&b)[T::kNT][2]) {
     const int j = lane >> 3;
 #pragma unroll
@@ -348,10 +348,9 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const __half* __restrict
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     fetch(0, my_half + h, c[h], sc[h]);
-    const uint32_t fa = factors(sc[h]);
-    const bool slow = K == WKind::kMXFP4 && !kSplit && __any_sync(0xffffffffu, (fa >> 16) != 0x3c00u);
+    // Tile 0 always takes MXFP4's second multiply (g is 1 unless a block needs it), so no vote here.
 #pragma unroll
-    for (int q = 0; q < 4; ++q) decode(c[h], fa, slow, my_half + h, q, tile_b(0));
+    for (int q = 0; q < 4; ++q) decode(c[h], factors(sc[h]), true, my_half + h, q, tile_b(0));
     fetch(1, my_half + h, c[h], sc[h]);
   }
   for (int kt = 0; kt < n_kt; ++kt) {

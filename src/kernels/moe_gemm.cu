@@ -3,9 +3,10 @@
 // takes a slot of its expert. Slots within an expert are claimed with shared-memory atomics, so their
 // order varies from run to run, but every output row is computed from its own A row alone (MMA rows are
 // independent and k is summed in a fixed order), and the combine reads rows by pair: the result is
-// bitwise deterministic. Token tiles are 64 rows, or 128 when the experts average >= 128 rows: with 32-128
-// experts a prefill chunk gives each expert tens to hundreds of rows; empty m16 tiles cost no MMAs
-// (gemm_fp4_tile.cuh), and 128-row tiles read a third fewer shared-memory bytes per MMA (bench/NOTES.md).
+// bitwise deterministic. Token tiles are 64 rows, or 128 when the experts average enough rows
+// (launch_moe_gemm): with 32-128 experts a prefill chunk gives each expert tens to hundreds of rows; empty
+// m16 tiles cost no MMAs (gemm_fp4_tile.cuh), and 128-row tiles read a third fewer shared-memory bytes per
+// MMA (bench/NOTES.md).
 #include "kernels/moe_gemm.cuh"
 
 #include "backend/cuda/cuda_check.h"
@@ -321,8 +322,8 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   const int64_t n_pairs = n_tokens * top_k;
   NB_CHECK(n_tokens >= 1 && top_k >= 1 && moe_gemm_max_tiles(n_pairs, t.n_experts) <= 65535,
            "moe_gemm: " + std::to_string(n_tokens) + " tokens x top_k " + std::to_string(top_k));
-  // Tile rows per expert block: 128 when the experts average >= 128 rows, else 64 (measured, NOTES.md: the
-  // MoE layer at M = 2048 went 125 -> 138 TFLOP/s on gpt-oss-20b, 120b stays on 64-row tiles).
+  // Tile rows per expert block (portable tiles): 128 when the experts average >= 128 rows (hi + lo) or >= 64
+  // (one fp16), else 64 (measured, NOTES.md: hi + lo at M = 2048 went 125 -> 138 TFLOP/s on gpt-oss-20b).
   // NIBBLE_MOE_VARIANT (measurement knob) forces 0 = 64-row tiles, 1 = 128-row tiles, 2 = 64 + fragment
   // prefetch, 3 = 128 with 4 warps of 64 x 64; 2 and 3 measured slower (114 / 112 TFLOP/s on 20b).
   static const int variant = [] {
