@@ -56,6 +56,55 @@ double time_us(cudaStream_t s, int calls, F&& body) {
   return best * 1e3 / calls;
 }
 
+// The portable path's own ceiling: mma.sync m16n8k16 (fp16 in, fp32 accumulate, the instruction every
+// portable tile issues) with nothing else in the loop -- 8 independent accumulator chains per warp, operands
+// in registers, 8 warps per block, 4 blocks per SM. FLOP/s of the tensor pipe through the sm_80 path; on
+// Hopper cuBLASLt's BF16 kernels use wgmma, which this instruction does not reach.
+__global__ void __launch_bounds__(256) mma_peak_kernel(int iters, float* out) {
+  uint32_t a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = 0x3c003c00u ^ (threadIdx.x << i);  // fp16 pairs near 1 (no overflow)
+  b[0] = 0x3c003c00u, b[1] = 0x38003800u;
+  float c[8][4] = {};
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < 8; ++j) sum += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+  if (sum == 1234.5f) out[threadIdx.x] = sum;  // (keeps the loop; never true)
+}
+
+double mma_peak_tflops(cudaStream_t s, int sms) {
+  float* out = nullptr;
+  CUDA_CHECK(cudaMalloc(&out, 256 * sizeof(float)));
+  const int blocks = 4 * sms, iters = 4096;
+  mma_peak_kernel<<<blocks, 256, 0, s>>>(16, out);  // warm
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int r = 0; r < 3; ++r) {
+    CUDA_CHECK(cudaEventRecord(e0, s));
+    mma_peak_kernel<<<blocks, 256, 0, s>>>(iters, out);
+    CUDA_CHECK(cudaEventRecord(e1, s));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+  }
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  CUDA_CHECK(cudaFree(out));
+  const double flops = 2.0 * 16 * 8 * 16 * 8.0 * iters * 8 * blocks;  // per HMMA x chains x iters x warps
+  return flops / (best * 1e-3) * 1e-12;
+}
+
 int calls_for(double flops) { return flops > 2e11 ? 4 : flops > 2e10 ? 16 : 64; }
 
 // cuBLASLt BF16 GEMM D[m, n] = A[m, k] B[n, k]^T (row-major), the heuristic's first algorithm.
@@ -156,6 +205,21 @@ int run(bool quick) {
   auto info = cuda_device_info(0);
   std::printf("GPU: %s\n\n", describe(*info).c_str());
   const std::vector<int64_t> ms = quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 2048, 8192};
+
+  // The tensor-pipe ceilings the ratios below are read against (bench/NOTES.md: the portable tiles issue
+  // mma.sync; the sm_90a tiles and cuBLASLt issue wgmma).
+  {
+    int sms = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const double peak = mma_peak_tflops(s, sms);
+    const int64_t big = 8192;
+    const double lt_big = 2.0 * big * big * big / (lt.time(big, big, big) * 1e-6) * 1e-12;
+    std::printf("## Tensor-pipe ceilings\n\n| measure | TFLOP/s |\n|---|---|\n");
+    std::printf("| mma.sync m16n8k16 fp16 -> fp32, operands in registers (the portable tiles' instruction) | %.0f |\n", peak);
+    std::printf("| cuBLASLt BF16 [8192, 8192, 8192] | %.0f |\n\n", lt_big);
+    std::printf("The portable mma.sync tiles cannot exceed %.0f %% of cuBLASLt BF16 at 8192^3 on this GPU.\n\n",
+                100.0 * peak / lt_big);
+  }
 
   std::printf("## Dense FP4 GEMM (gpt-oss-20b and -120b share these shapes)\n\n");
   std::printf("| projection | format | [n, k] | M | hi+lo us | TFLOP/s | fp16 us | TFLOP/s | cuBLASLt BF16 us | TFLOP/s | "

@@ -61,6 +61,10 @@ constexpr int kBlockThreads = 256;
 #else
 constexpr int kBlockThreads = kWarpsSm90 * 32;
 #endif
+// The attention head's one-round blocks (stream_qkv_kernel<.., kOneRound>): up to this many warps, each with
+// exactly one unit, so no second register buffer for a next unit (~30 registers fewer: 24 warps fit in 85).
+constexpr int kOneRoundWarps = 24;
+constexpr int kMaxWarps = kWarps > kOneRoundWarps ? kWarps : kOneRoundWarps;
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
 
@@ -388,9 +392,26 @@ struct Unit {
 // `cur` holds the first unit's items (the caller loads them, the linear kernel before waiting for the
 // previous kernel). The next unit's loads -- weights and epilogue values, so that no global load latency
 // is left for the finish -- go out before the current unit's math: NC items per warp in flight.
-template <WKind K, int NC, bool kSplit, class Op>
+// kOneRound: the warp has exactly the one unit in `cur` (the caller sized the grid so): no next unit.
+template <WKind K, int NC, bool kSplit, class Op, bool kOneRound = false>
 __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u, Item (&cur)[NC]) {
   const int words = row_words(k);
+  if constexpr (kOneRound) {
+    const float2 epi = op.epilogue(u);
+    uint32_t s0[NC], s1[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) s0[c] = cur[c].s0, s1[c] = cur[c].s1;
+    int c0, c1;
+    Fmt<K>::windows(s0, s1, c0, c1);
+    float acc[2][4] = {};
+    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(cur[c], xs + c * 128, NC * 128, c0, c1, acc);
+    float v0, v1;
+    pair_sums(acc, v0, v1);
+    op.finish(u, v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23), epi);
+    return;
+  }
   Item nxt[NC];
   float2 epi = op.epilogue(u), epi_next;
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
@@ -592,7 +613,7 @@ struct QkvOp {
 constexpr int kMaxK = 4096;  // (shape_ok: k <= kMaxChunks chunks)
 constexpr int kNormHold = (kMaxK / 8 + kBlockThreads - 1) / kBlockThreads;
 struct NormShared {
-  float partial[kWarps];
+  float partial[kMaxWarps];
 };
 __device__ __forceinline__ void load_norm_weights(const float* norm_w, int k, float (&nw)[kNormHold][8]) {
 #pragma unroll
@@ -661,15 +682,17 @@ __device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormH
   __syncthreads();
 }
 
-template <WKind K, int NC>
-__global__ void __launch_bounds__(kBlockThreads, 1)
+// kOneRound: every warp has exactly one unit (qkv_head sizes the grid so), blocks of up to kOneRoundWarps.
+template <WKind K, int NC, bool kOneRound>
+__global__ void __launch_bounds__(kOneRound ? kOneRoundWarps * 32 : kBlockThreads, 1)
     stream_qkv_kernel(const __grid_constant__ DevWeight w, const __grid_constant__ QkvHeadArgs a) {
   extern __shared__ uint4 planes[];
   stamp(kStampQkv, kAtEntry);
   __shared__ StageShared ss;
   __shared__ NormShared ns;
   stage_zero(ss);
-  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  // (The host launches exactly Device::warps warps per block, or the one-round count.)
+  const int nw = kOneRound ? static_cast<int>(blockDim.x >> 5) : kBlockThreads / 32;
   const int half = a.s.head_dim / 2, qk_pairs = (a.s.n_heads + a.s.n_kv_heads) * half;
   QkvOp<K> op{w, a, 0.0f, qk_pairs + a.s.n_kv_heads * half, static_cast<int>(gridDim.x) * nw, qk_pairs, half, 0, 0};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
@@ -688,7 +711,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_norm(a, w.k, nwv, ss, ns, planes);
   op.unscale = ss.unscale[0];
   stamp(kStampQkv, kAtStaged);
-  if (first.p < op.n_pairs) walk<K, NC, false>(op, w.k, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC, false, QkvOp<K>, kOneRound>(op, w.k, planes, first, cur);
   stamp(kStampQkv, kAtWalked);
 }
 
@@ -1029,19 +1052,36 @@ void linear(const DevWeight& w, const float* x, const float* bias, float* y, boo
   CUDA_CHECK(cudaGetLastError());
 }
 
+// One round: where the pairs need a second round of Device::warps warps per SM (gpt-oss: 2560 pairs on 132 x 16
+// warps, the last 448 a second round of ~3 us) but fit one of up to kOneRoundWarps, blocks of
+// ceil(pairs / SMs) warps take one unit each. Measured on sm_90 only (NIBBLE_HEAD_ONE_ROUND=0: the rounds).
+bool head_one_round(int pairs, int& warps) {
+  static const bool on = knob_on("NIBBLE_HEAD_ONE_ROUND");
+  const Device& d = device();
+  warps = ceil_div(pairs, d.sms);
+  return on && d.warps == kWarpsSm90 && d.sms > 0 && warps > d.warps && warps <= kOneRoundWarps;
+}
+
 template <WKind K>
 void qkv_head(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
-  auto go = [&](auto kernel) {
+  const int pairs = (a.s.n_heads + 2 * a.s.n_kv_heads) * a.s.head_dim / 2;
+  int one_warps = 0;
+  const bool one = head_one_round(pairs, one_warps);
+  auto go = [&](auto kernel, auto kernel_one) {
+    if (one) {
+      CUDA_CHECK(cudaFuncSetAttribute(kernel_one, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      launch_pdl(kernel_one, ceil_div(pairs, one_warps), one_warps * 32, smem, s, w, a);
+      return;
+    }
     const int warps = device().warps;
-    const int pairs = (a.s.n_heads + 2 * a.s.n_kv_heads) * a.s.head_dim / 2;
     launch_pdl(kernel, grid_for(kernel, warps, smem, pairs), warps * 32, smem, s, w, a);
   };
   switch (n_chunks(w.k)) {
-    case 1: return go(stream_qkv_kernel<K, 1>);
-    case 2: return go(stream_qkv_kernel<K, 2>);
-    case 3: return go(stream_qkv_kernel<K, 3>);
-    default: return go(stream_qkv_kernel<K, 4>);
+    case 1: return go(stream_qkv_kernel<K, 1, false>, stream_qkv_kernel<K, 1, true>);
+    case 2: return go(stream_qkv_kernel<K, 2, false>, stream_qkv_kernel<K, 2, true>);
+    case 3: return go(stream_qkv_kernel<K, 3, false>, stream_qkv_kernel<K, 3, true>);
+    default: return go(stream_qkv_kernel<K, 4, false>, stream_qkv_kernel<K, 4, true>);
   }
 }
 
