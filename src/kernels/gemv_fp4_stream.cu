@@ -64,6 +64,8 @@ constexpr int kBlockThreads = kWarpsSm90 * 32;
 // The attention head's one-round blocks (stream_qkv_kernel<.., kOneRound>): up to this many warps, each with
 // exactly one unit, so no second register buffer for a next unit (~30 registers fewer: 24 warps fit in 85).
 constexpr int kOneRoundWarps = 24;
+// The linear kernel's (its staging and the first unit's weights are live together: 85 registers spilled).
+constexpr int kOneRoundWarpsLinear = 20;
 constexpr int kMaxWarps = kWarps > kOneRoundWarps ? kWarps : kOneRoundWarps;
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
@@ -487,8 +489,9 @@ struct LinearOp {
   }
 };
 
-template <WKind K, int NC, bool kSplit>
-__global__ void __launch_bounds__(kBlockThreads, 1)
+// kOneRound: as stream_qkv_kernel's (Qwen3-30B-A3B's QKV: 2560 row pairs, as gpt-oss's head).
+template <WKind K, int NC, bool kSplit, bool kOneRound>
+__global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
   extern __shared__ uint4 planes[];
@@ -497,7 +500,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ StageShared ss;
   stage_zero(ss);
   __syncthreads();
-  constexpr int nw = kBlockThreads / 32;  // (the host launches exactly that many: Device::warps)
+  // (The host launches exactly Device::warps warps per block, or the one-round count.)
+  const int nw = kOneRound ? static_cast<int>(blockDim.x >> 5) : kBlockThreads / 32;
   LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, 0, p0};
@@ -516,7 +520,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   op.unscale = ss.unscale[0];
   if (stamped) stamp(kStampLinear, kAtStaged);
-  if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, w.k, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K>, kOneRound>(op, w.k, planes, first, cur);
   if (stamped) stamp(kStampLinear, kAtWalked);
 }
 
@@ -1041,25 +1045,35 @@ void with_chunks(int k, bool split, F&& f) {
   }
 }
 
+// One round: where the pairs need a second round of Device::warps warps per SM (gpt-oss's attention head:
+// 2560 pairs on 132 x 16 warps, the last 448 a second round of ~3 us) but fit one of up to kOneRoundWarps,
+// blocks of ceil(pairs / SMs) warps take one unit each (H200 tg128 +3 %, NOTES.md fifteenth session).
+// Measured on sm_90 only; NIBBLE_STREAM_ONE_ROUND=0 keeps the rounds.
+bool one_round(int pairs, int max_warps, int& warps) {
+  static const bool on = knob_on("NIBBLE_STREAM_ONE_ROUND");
+  const Device& d = device();
+  warps = ceil_div(pairs, std::max(1, d.sms));
+  return on && d.warps == kWarpsSm90 && warps > d.warps && warps <= max_warps;
+}
+
 template <WKind K>
 void linear(const DevWeight& w, const float* x, const float* bias, float* y, bool split, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
+  const int pairs = (w.n + 1) / 2;
+  int one_warps = 0;
+  const bool one = one_round(pairs, kOneRoundWarpsLinear, one_warps);
   with_chunks(w.k, split, [&]<int NC, bool kSplit>() {
-    auto kernel = stream_linear_kernel<K, NC, kSplit>;
+    if (one) {
+      auto kernel = stream_linear_kernel<K, NC, kSplit, true>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      launch_pdl(kernel, ceil_div(pairs, one_warps), one_warps * 32, smem, s, w, x, bias, y);
+      return;
+    }
+    auto kernel = stream_linear_kernel<K, NC, kSplit, false>;
     const int warps = device().warps;
-    launch_pdl(kernel, grid_for(kernel, warps, smem, (w.n + 1) / 2), warps * 32, smem, s, w, x, bias, y);
+    launch_pdl(kernel, grid_for(kernel, warps, smem, pairs), warps * 32, smem, s, w, x, bias, y);
   });
   CUDA_CHECK(cudaGetLastError());
-}
-
-// One round: where the pairs need a second round of Device::warps warps per SM (gpt-oss: 2560 pairs on 132 x 16
-// warps, the last 448 a second round of ~3 us) but fit one of up to kOneRoundWarps, blocks of
-// ceil(pairs / SMs) warps take one unit each. Measured on sm_90 only (NIBBLE_HEAD_ONE_ROUND=0: the rounds).
-bool head_one_round(int pairs, int& warps) {
-  static const bool on = knob_on("NIBBLE_HEAD_ONE_ROUND");
-  const Device& d = device();
-  warps = ceil_div(pairs, d.sms);
-  return on && d.warps == kWarpsSm90 && d.sms > 0 && warps > d.warps && warps <= kOneRoundWarps;
 }
 
 template <WKind K>
@@ -1067,7 +1081,7 @@ void qkv_head(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
   const int pairs = (a.s.n_heads + 2 * a.s.n_kv_heads) * a.s.head_dim / 2;
   int one_warps = 0;
-  const bool one = head_one_round(pairs, one_warps);
+  const bool one = one_round(pairs, kOneRoundWarps, one_warps);
   auto go = [&](auto kernel, auto kernel_one) {
     if (one) {
       CUDA_CHECK(cudaFuncSetAttribute(kernel_one, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

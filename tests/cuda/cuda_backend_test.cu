@@ -421,6 +421,8 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
       {WeightFormat::kMXFP4, 21, 2048, 1, 40.0f}, {WeightFormat::kMXFP4, 9, 96, 1, 3.0f},
       {WeightFormat::kNVFP4, 70, 2880, 2, 0.05f}, {WeightFormat::kNVFP4, 33, 4128, 3, 0.05f},
       {WeightFormat::kNVFP4, 1, 32, 1, 0.05f},    {WeightFormat::kNVFP4, 3000, 1024, 2, 40.0f},
+      // Qwen3-30B-A3B's QKV (2560 row pairs): the one-round grid on a 132-SM GPU (stream_linear_kernel).
+      {WeightFormat::kMXFP4, 5120, 2048, 1, 0.05f}, {WeightFormat::kNVFP4, 5120, 2048, 3, 0.05f},
   };
   // Both activation modes: hi + lo (exact products: the summation bound) and one fp16 (its rounding,
   // <= 2^-11 relative per element, added to the bound).
@@ -799,9 +801,9 @@ TEST_F(CudaOps, NormQkvRopeOneToken) {
   struct Shape {
     int nh, nkv, hd, d;
   };
-  // gpt-oss's head (2560 row pairs) takes the one-round grid where 16 warps per SM need two rounds (H100 /
-  // H200: 132 SMs x 20 warps); the small ones the round-robin grid.
-  for (const Shape sh : {Shape{8, 2, 64, 2880}, Shape{4, 2, 128, 4096}, Shape{64, 8, 64, 2880}})
+  // gpt-oss's head (2560 row pairs) and Llama-3.1-8B's (3072, k = 4096) take the one-round grid where 16
+  // warps per SM need two rounds (H100 / H200: 132 SMs x 20 and x 24 warps); the small ones the round-robin grid.
+  for (const Shape sh : {Shape{8, 2, 64, 2880}, Shape{4, 2, 128, 4096}, Shape{64, 8, 64, 2880}, Shape{32, 8, 128, 4096}})
   for (DType kv : {DType::kF32, DType::kBF16, DType::kF8_E4M3}) {
     const int nh = sh.nh, nkv = sh.nkv, hd = sh.hd, d = sh.d, n_blocks = 4, n = (nh + 2 * nkv) * hd;
     RopeConfig yarn;
