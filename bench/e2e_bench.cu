@@ -6,7 +6,7 @@
 // Prefill: with the checkpoint's own dense format, ppN at batch 1: the time to process an N-token prompt
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
-// Usage: nibble_e2e_bench [--pp 512,2048,8192] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
+// Usage: nibble_e2e_bench [--pp 512,2048,8192 | --no-pp] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
 //                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--depth N]
 //   --depth N: the decode runs after an N-token prompt (one prefill step) instead of one token: tg128 at
 //   context depth N (llama-benchy's "tg128 @ dN")
@@ -83,11 +83,19 @@ Args parse(int argc, char** argv) {
     const std::string s = argv[i];
     if (s == "--pp" && i + 1 < argc) {
       a.pp.clear();
-      for (const char* p = argv[++i]; *p;) {
+      for (const char* p = argv[++i]; *p;) {  // "" (or --no-pp): no prompt processing runs
         char* end = nullptr;
-        a.pp.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+        const long v = std::strtol(p, &end, 10);
+        if (end == p || (*end != ',' && *end != '\0') || v < 1 || v > (1 << 20)) {
+          std::fprintf(stderr, "nibble_e2e_bench: error: --pp %s: expected token counts 1..1048576, comma-separated\n",
+                       argv[i]);
+          std::exit(2);
+        }
+        a.pp.push_back(static_cast<int>(v));
         p = *end == ',' ? end + 1 : end;
       }
+    } else if (s == "--no-pp") {
+      a.pp.clear();
     } else if (s == "--chunk" && i + 1 < argc) {
       a.chunk = std::atoi(argv[++i]);
     } else if (s == "--max-seconds" && i + 1 < argc) {

@@ -179,6 +179,8 @@ E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"
     (["--gemm-acts", "hilo"], ["--gemm-acts hilo", "fp16 or hi-lo"]),
     (["--depth", "4k"], ["--depth 4k", "token count"]),
     (["--depth", "-1"], ["--depth -1", "token count"]),
+    (["--pp", "2k"], ["--pp 2k", "token counts"]),
+    (["--pp", "512,,2048"], ["--pp 512,,2048", "token counts"]),
 ])
 def test_e2e_bench_rejects_bad_arguments(args, needles):
     """The end-to-end benchmark checks its arguments before touching a GPU: one line, exit 2."""
