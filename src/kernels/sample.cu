@@ -94,6 +94,59 @@ __device__ void select_nth(const float* l, int vocab, int n, Shared& sh, uint32_
   __syncthreads();
 }
 
+__device__ __forceinline__ bool is_greedy(const DevSampleSpec& s) { return s.temperature <= 0.0f || s.top_k == 1; }
+
+// (best, best_i) <- the better of it and (v, i): the larger value, the lower id on ties.
+__device__ __forceinline__ void better(float& best, int& best_i, float v, int i) {
+  if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+}
+
+// Greedy rows: block (s, row) takes the s-th slice of the row, as sample_kernel's argmax (a thread's ids rise,
+// so strict > keeps its first; merges prefer lower ids); the last block of the row to finish merges the
+// slices' results in slice order.
+constexpr int kSplitThreads = 256;
+__global__ void __launch_bounds__(kSplitThreads) argmax_split_kernel(const float* __restrict__ logits, int vocab,
+                                                                     const DevSampleSpec* __restrict__ specs,
+                                                                     int32_t* __restrict__ ids, ArgmaxScratch sc) {
+  pdl_wait();
+  const int64_t row = blockIdx.y;
+  if (!is_greedy(specs[row])) return;  // (sample_kernel's row)
+  const float* l = logits + row * vocab;
+  const int chunk = (vocab + kArgmaxSplit - 1) / kArgmaxSplit, begin = blockIdx.x * chunk;
+  const int end = min(vocab, begin + chunk);
+  float best = -INFINITY;
+  int best_i = vocab;
+  for (int i = begin + threadIdx.x; i < end; i += kSplitThreads)
+    if (l[i] > best || best_i == vocab) best = l[i], best_i = i;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    better(best, best_i, ob, oi);
+  }
+  __shared__ float wv[kSplitThreads / 32];
+  __shared__ int wi[kSplitThreads / 32];
+  __shared__ bool last;
+  if ((threadIdx.x & 31) == 0) wv[threadIdx.x >> 5] = best, wi[threadIdx.x >> 5] = best_i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    best = wv[0], best_i = wi[0];
+    for (int w = 1; w < kSplitThreads / 32; ++w) better(best, best_i, wv[w], wi[w]);
+    sc.value[row * kArgmaxSplit + blockIdx.x] = best;
+    sc.id[row * kArgmaxSplit + blockIdx.x] = best_i;
+    __threadfence();
+    last = atomicAdd(sc.count + row, 1u) == kArgmaxSplit - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  best = __ldcg(sc.value + row * kArgmaxSplit), best_i = __ldcg(sc.id + row * kArgmaxSplit);
+  for (int b = 1; b < kArgmaxSplit; ++b)
+    better(best, best_i, __ldcg(sc.value + row * kArgmaxSplit + b), __ldcg(sc.id + row * kArgmaxSplit + b));
+  ids[row] = best_i < vocab ? best_i : 0;  // (an empty slice reports vocab; a row has >= 1 element)
+  sc.count[row] = 0;
+}
+
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restrict__ logits, int vocab,
                                                           const DevSampleSpec* __restrict__ specs,
                                                           int32_t* __restrict__ ids) {
@@ -102,6 +155,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   const int64_t row = blockIdx.x;
   const float* l = logits + row * vocab;
   const DevSampleSpec s = specs[row];
+  if (is_greedy(s)) return;  // (argmax_split_kernel's row)
 
   // Argmax, lowest id on ties (a thread's ids rise, so strict > keeps its first; merges prefer lower ids).
   float best = -INFINITY;
@@ -121,10 +175,6 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   best = wbest[0], best_i = wbest_i[0];
   for (int w = 1; w < kWarps; ++w)
     if (wbest[w] > best || (wbest[w] == best && wbest_i[w] < best_i)) best = wbest[w], best_i = wbest_i[w];
-  if (s.temperature <= 0.0f || s.top_k == 1) {
-    if (threadIdx.x == 0) ids[row] = best_i;
-    return;
-  }
   const float max_logit = best, temp = s.temperature;
   auto weight = [&](float x) { return expf((x - max_logit) / temp); };  // unnormalized probability
 
@@ -261,9 +311,13 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
 }  // namespace
 
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
-                   cudaStream_t s) {
-  NB_CHECK(rows >= 1 && vocab >= 1 && vocab < (int64_t{1} << 31), "sample: shapes");
-  launch_pdl(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, s, logits, static_cast<int>(vocab), specs, ids);
+                   bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s) {
+  NB_CHECK(rows >= 1 && rows <= 65535 && vocab >= 1 && vocab < (int64_t{1} << 31), "sample: shapes");
+  if (greedy)
+    launch_pdl(argmax_split_kernel, dim3(kArgmaxSplit, static_cast<unsigned>(rows)), dim3(kSplitThreads), 0, s, logits,
+               static_cast<int>(vocab), specs, ids, scratch);
+  if (sampled)
+    launch_pdl(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, s, logits, static_cast<int>(vocab), specs, ids);
   CUDA_CHECK(cudaGetLastError());
 }
 

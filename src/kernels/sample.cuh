@@ -18,8 +18,19 @@ struct DevSampleSpec {
   double u = 0.0;
 };
 
-// logits [rows, vocab] fp32; specs [rows] (device); ids [rows] (device).
+// Greedy rows' argmax split over kArgmaxSplit blocks per row (one block read the 201088 logits of gpt-oss
+// in ~14 us, a tenth of a 20b decode step's fixed cost); the last block to finish merges.
+constexpr int kArgmaxSplit = 32;
+struct ArgmaxScratch {
+  float* value;     // [rows, kArgmaxSplit]
+  int32_t* id;      // [rows, kArgmaxSplit]
+  uint32_t* count;  // [rows], zero before the launch; the merging block zeroes it again
+};
+
+// logits [rows, vocab] fp32; specs [rows] (device); ids [rows] (device). greedy / sampled: whether any row is
+// greedy (temperature <= 0 or top_k == 1) / any is not (the host knows the specs; each kernel skips the
+// other's rows).
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
-                   cudaStream_t s);
+                   bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s);
 
 }  // namespace nb::cuda

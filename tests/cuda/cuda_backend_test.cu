@@ -898,6 +898,20 @@ TEST_F(CudaOps, SampleGreedyIsHostArgmax) {
   std::vector<SampleSpec> m1(rows, SampleSpec{1.0f, 1.0f, 0, 1.0f, 0.7});
   const std::vector<int32_t> got = gpu_->sample(g, m1);
   for (int r : {0, 2, 3, 5}) EXPECT_EQ(got[r], want[r]) << "min_p 1, row " << r;
+  // Greedy and sampled rows in one call (two kernels, each skipping the other's rows), twice (the split
+  // argmax's arrival counters must be left at zero).
+  std::vector<SampleSpec> mixed(rows);
+  for (int64_t r = 1; r < rows; r += 2) mixed[r] = SampleSpec{0.8f, 1e-6f, 0, 0.0f, 0.5};
+  EXPECT_EQ(gpu_->sample(g, mixed), want);
+  EXPECT_EQ(gpu_->sample(g, mixed), want);
+  // Vocabularies with fewer elements than the argmax has slices (empty slices) or a few per slice; ties.
+  for (int64_t v : {1, 5, 40, 97}) {
+    std::vector<float> sl = randn(3 * v, 2.0f);
+    if (v > 3) sl[v + 1] = sl[v + v - 1] = 30.0f;  // row 1: a tie between ids 1 and v - 1
+    std::vector<int32_t> sw(3);
+    for (int64_t r = 0; r < 3; ++r) sw[r] = argmax(std::span<const float>(sl.data() + r * v, v));
+    EXPECT_EQ(gpu_->sample(gpu_t(sl, {3, v}), std::vector<SampleSpec>(3)), sw) << "vocab " << v;
+  }
 }
 
 // Stratified draws: row i gets u = (i + 0.5) / N, so each token's count is N times its probability to

@@ -989,8 +989,12 @@ std::vector<int32_t> CudaBackend::sample(const Tensor& logits, const std::vector
   Tensor d_specs = alloc(DType::kU8, {bytes});
   Tensor d_ids = alloc(DType::kI32, {rows});
   CUDA_CHECK(cudaMemcpyAsync(d_specs.data<uint8_t>(), h.data(), bytes, cudaMemcpyHostToDevice, impl_->stream));
+  bool greedy = false, sampled = false;
+  for (const SampleSpec& sp : specs) (sp.temperature <= 0.0f || sp.top_k == 1 ? greedy : sampled) = true;
+  Tensor part_v = alloc(DType::kF32, {rows, cuda::kArgmaxSplit}), part_i = alloc(DType::kI32, {rows, cuda::kArgmaxSplit});
+  const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), impl_->arrivals};  // (rows <= kArrivals)
   cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
-                      d_ids.data<int32_t>(), impl_->stream);
+                      d_ids.data<int32_t>(), greedy, sampled, scratch, impl_->stream);
   std::vector<int32_t> ids(rows);
   CUDA_CHECK(cudaMemcpyAsync(ids.data(), d_ids.data<int32_t>(), rows * 4, cudaMemcpyDeviceToHost, impl_->stream));
   CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
