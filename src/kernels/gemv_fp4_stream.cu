@@ -406,9 +406,9 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     int c0, c1;
     Fmt<K>::windows(s0, s1, c0, c1);
     float acc[2][4] = {};
-    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words + op.xchunk() * 128;
+    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(cur[c], xs + c * 128, words / 2, c0, c1, acc);
+    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(cur[c], xs + c * 128, NC * 128, c0, c1, acc);
     float v0, v1;
     pair_sums(acc, v0, v1);
     op.finish(u, v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23), epi);
@@ -456,8 +456,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
 }
 
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
-// kHalves: the unit is half of k of a pair (stream_linear_kernel's kHalves).
-template <WKind K, bool kHalves = false>
+template <WKind K>
 struct LinearOp {
   static constexpr bool kLoadAlways = false;  // (walk)
   static constexpr StampKind kStamp = kStampLinear;  // (measurement builds)
@@ -467,37 +466,21 @@ struct LinearOp {
   float* y;
   float unscale;
   int n_pairs, stride;
-  int chunk0 = 0;             // kHalves: the first chunk of k this warp's half takes
-  float2* part = nullptr;     // kHalves: the pair's two partial dots go here (shared memory), not to y
   __device__ int xrow() const { return 0; }
-  __device__ int xchunk() const { return chunk0; }
   __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
     int ra = 2 * u.p, rb = min(2 * u.p + 1, w.n - 1);
     // One part (lm_head, O, most weights): no part lookup (two loops with constant loads per unit otherwise).
-    Rows r;
-    if (w.n_parts == 1) {
-      r = lane_rows<K>(w.part[0], ra, w.part[0], rb, w.k);
-    } else {
-      const DevPart& pa = find_part(w, ra);
-      const DevPart& pb = find_part(w, rb);
-      r = lane_rows<K>(pa, ra, pb, rb, w.k);
-    }
-    if constexpr (kHalves) {
-      for (int i = 0; i < 2; ++i)
-        r.codes[i] += chunk0 * (kChunk / 2), r.scales[i] += chunk0 * (kChunk / Fmt<K>::kBs);
-    }
-    return r;
+    if (w.n_parts == 1) return lane_rows<K>(w.part[0], ra, w.part[0], rb, w.k);
+    const DevPart& pa = find_part(w, ra);
+    const DevPart& pb = find_part(w, rb);
+    return lane_rows<K>(pa, ra, pb, rb, w.k);
   }
   __device__ float2 epilogue(Unit u) const {
     if (!bias) return make_float2(0.0f, 0.0f);
     return make_float2(__ldg(bias + 2 * u.p), __ldg(bias + min(2 * u.p + 1, w.n - 1)));
   }
   __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: row 2p, lane 16: row 2p + 1
-    if (kHalves) {  // (stream_linear_kernel adds the halves)
-      if ((threadIdx.x & 31) == 0) *part = make_float2(v0, v1);
-      return;
-    }
     const int lane = threadIdx.x & 31, r = 2 * u.p + (lane >> 4);
     if ((lane & 15) != 0 || r >= w.n) return;
     int rr = r;
@@ -506,15 +489,11 @@ struct LinearOp {
   }
 };
 
-// kOneRound: as stream_qkv_kernel's (Qwen3-30B-A3B's QKV: 2560 row pairs, as gpt-oss's head). kHalves (with
-// kOneRound; k a multiple of 2 chunks, NC = half of them): warps w and w + nw / 2 take the two halves of k of
-// one pair, the first adds the second's partial dots after a barrier (gpt-oss's O: 1440 pairs as 131 blocks
-// of 22 warps instead of 90 of 16).
-template <WKind K, int NC, bool kSplit, bool kOneRound, bool kHalves = false>
-__global__ void __launch_bounds__(kHalves ? kOneRoundWarps * 32 : kOneRound ? kOneRoundWarpsLinear * 32 : kBlockThreads, 1)
+// kOneRound: as stream_qkv_kernel's (Qwen3-30B-A3B's QKV: 2560 row pairs, as gpt-oss's head).
+template <WKind K, int NC, bool kSplit, bool kOneRound>
+__global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y) {
-  static_assert(!kHalves || kOneRound);
   extern __shared__ uint4 planes[];
   const bool stamped = stamps_linear(w);
   if (stamped) stamp(kStampLinear, kAtEntry);
@@ -523,11 +502,8 @@ __global__ void __launch_bounds__(kHalves ? kOneRoundWarps * 32 : kOneRound ? kO
   __syncthreads();
   // (The host launches exactly Device::warps warps per block, or the one-round count.)
   const int nw = kOneRound ? static_cast<int>(blockDim.x >> 5) : kBlockThreads / 32;
-  LinearOp<K, kHalves> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw};
-  const int warp = static_cast<int>(threadIdx.x >> 5), np = kHalves ? nw / 2 : nw;  // pairs per block
-  const int p0 = static_cast<int>(blockIdx.x) * np + warp % np, half = warp / np;
-  __shared__ float2 parts[kHalves ? 2 : 1][kOneRoundWarps / 2];
-  if constexpr (kHalves) op.chunk0 = half * NC, op.part = &parts[half][warp % np];
+  LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw};
+  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, 0, p0};
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
@@ -544,17 +520,7 @@ __global__ void __launch_bounds__(kHalves ? kOneRoundWarps * 32 : kOneRound ? kO
   __syncthreads();
   op.unscale = ss.unscale[0];
   if (stamped) stamp(kStampLinear, kAtStaged);
-  if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K, kHalves>, kOneRound>(op, w.k, planes, first, cur);
-  if constexpr (kHalves) {  // the pair's dot: first half + second half, then finish's expression
-    __syncthreads();
-    const int lane = threadIdx.x & 31, r = 2 * p0 + (lane >> 4);
-    if (half == 0 && first.p < op.n_pairs && (lane & 15) == 0 && r < w.n) {
-      const float2 a = parts[0][warp], b = parts[1][warp];
-      int rr = r;
-      const float pf = w.n_parts == 1 ? fp4_post(K, w.part[0]) : fp4_post(K, find_part(w, rr));
-      y[r] = (lane ? a.y + b.y : a.x + b.x) * op.unscale * pf + (bias ? __ldg(bias + r) : 0.0f);
-    }
-  }
+  if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K>, kOneRound>(op, w.k, planes, first, cur);
   if (stamped) stamp(kStampLinear, kAtWalked);
 }
 
@@ -574,7 +540,6 @@ struct QkvOp {
   int pos;       // the token's position
   int64_t slot;  // its cache slot
   __device__ int xrow() const { return 0; }
-  __device__ int xchunk() const { return 0; }
   __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, 0}; }
   __device__ void pair_rows(int p, int& ra, int& rb) const {
     if (p < qk_pairs) {
@@ -821,7 +786,6 @@ struct Fc1Op {
   float* act;
   int n_pairs, stride, stride_i, stride_j;  // stride = stride_i d_expert + stride_j
   __device__ int xrow() const { return 0; }
-  __device__ int xchunk() const { return 0; }
   __device__ Unit next(Unit u) const {
     Unit n{u.p + stride, u.i + stride_i, u.j + stride_j};
     if (n.j >= tab.d_expert) n.j -= tab.d_expert, ++n.i;
@@ -917,7 +881,6 @@ struct Fc2Op {
   float* y;
   int n_pairs, stride, real_pairs, top_k, choice, round = 0;  // a warp keeps its choice
   __device__ int xrow() const { return choice; }
-  __device__ int xchunk() const { return 0; }
   __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
     const int p = min(u.p, real_pairs - 1);
@@ -1093,33 +1056,11 @@ bool one_round(int pairs, int max_warps, int& warps) {
   return on && d.warps == kWarpsSm90 && warps > d.warps && warps <= max_warps;
 }
 
-// Halves: where pairs fill at most 12 warps per SM but more than 8 (gpt-oss's O: 1440 pairs, which the
-// rounds put on 90 SMs x 16 warps), and k is a multiple of 2 chunks: two warps per pair on every SM.
-bool halves(int pairs, int k, int& warps) {
-  static const bool on = knob_on("NIBBLE_STREAM_ONE_ROUND");
-  const Device& d = device();
-  warps = 2 * ceil_div(pairs, std::max(1, d.sms));
-  return on && d.warps == kWarpsSm90 && n_chunks(k) % 2 == 0 && k % (2 * kChunk) == 0 && pairs > 8 * d.sms &&
-         warps <= kOneRoundWarps;
-}
-
 template <WKind K>
 void linear(const DevWeight& w, const float* x, const float* bias, float* y, bool split, cudaStream_t s) {
   const size_t smem = stage_bytes(1, w.k);
   const int pairs = (w.n + 1) / 2;
-  int one_warps = 0, half_warps = 0;
-  if (halves(pairs, w.k, half_warps)) {
-    auto go = [&](auto kernel) {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      launch_pdl(kernel, ceil_div(pairs, half_warps / 2), half_warps * 32, smem, s, w, x, bias, y);
-    };
-    if (n_chunks(w.k) == 4)
-      split ? go(stream_linear_kernel<K, 2, true, true, true>) : go(stream_linear_kernel<K, 2, false, true, true>);
-    else
-      split ? go(stream_linear_kernel<K, 1, true, true, true>) : go(stream_linear_kernel<K, 1, false, true, true>);
-    CUDA_CHECK(cudaGetLastError());
-    return;
-  }
+  int one_warps = 0;
   const bool one = one_round(pairs, kOneRoundWarpsLinear, one_warps);
   with_chunks(w.k, split, [&]<int NC, bool kSplit>() {
     if (one) {
