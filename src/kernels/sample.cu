@@ -3,6 +3,7 @@
 // every token whose key is above theta, plus the m lowest ids whose key equals theta.
 #include "kernels/sample.cuh"
 
+#include <algorithm>
 #include <cfloat>
 
 #include "backend/cuda/cuda_check.h"
@@ -312,10 +313,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
 
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
                    bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s) {
-  NB_CHECK(rows >= 1 && rows <= 65535 && vocab >= 1 && vocab < (int64_t{1} << 31), "sample: shapes");
-  if (greedy)
-    launch_pdl(argmax_split_kernel, dim3(kArgmaxSplit, static_cast<unsigned>(rows)), dim3(kSplitThreads), 0, s, logits,
-               static_cast<int>(vocab), specs, ids, scratch);
+  NB_CHECK(rows >= 1 && vocab >= 1 && vocab < (int64_t{1} << 31), "sample: shapes");
+  // (Rows in launches of at most 65535, the grid's y limit; each launch's counters are back at zero before the
+  // next one's blocks pass their pdl_wait.)
+  for (int64_t r0 = 0; greedy && r0 < rows; r0 += 65535) {
+    const int64_t n = std::min<int64_t>(65535, rows - r0);
+    const ArgmaxScratch sc{scratch.value + r0 * kArgmaxSplit, scratch.id + r0 * kArgmaxSplit, scratch.count};
+    launch_pdl(argmax_split_kernel, dim3(kArgmaxSplit, static_cast<unsigned>(n)), dim3(kSplitThreads), 0, s,
+               logits + r0 * vocab, static_cast<int>(vocab), specs + r0, ids + r0, sc);
+  }
   if (sampled)
     launch_pdl(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, s, logits, static_cast<int>(vocab), specs, ids);
   CUDA_CHECK(cudaGetLastError());

@@ -24,7 +24,7 @@ constexpr int kArgmaxSplit = 32;
 struct ArgmaxScratch {
   float* value;     // [rows, kArgmaxSplit]
   int32_t* id;      // [rows, kArgmaxSplit]
-  uint32_t* count;  // [rows], zero before the launch; the merging block zeroes it again
+  uint32_t* count;  // [min(rows, 65535)], zero before the launch; the merging block zeroes it again
 };
 
 // logits [rows, vocab] fp32; specs [rows] (device); ids [rows] (device). greedy / sampled: whether any row is

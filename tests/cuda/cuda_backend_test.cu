@@ -912,6 +912,12 @@ TEST_F(CudaOps, SampleGreedyIsHostArgmax) {
     for (int64_t r = 0; r < 3; ++r) sw[r] = argmax(std::span<const float>(sl.data() + r * v, v));
     EXPECT_EQ(gpu_->sample(gpu_t(sl, {3, v}), std::vector<SampleSpec>(3)), sw) << "vocab " << v;
   }
+  // More rows than one launch's grid holds (65535): the split argmax in two launches.
+  const int64_t many = 65537, v = 8;
+  const std::vector<float> ml = randn(many * v, 2.0f);
+  std::vector<int32_t> mw(many);
+  for (int64_t r = 0; r < many; ++r) mw[r] = argmax(std::span<const float>(ml.data() + r * v, v));
+  EXPECT_EQ(gpu_->sample(gpu_t(ml, {many, v}), std::vector<SampleSpec>(many)), mw) << "65537 rows";
 }
 
 // Stratified draws: row i gets u = (i + 0.5) / N, so each token's count is N times its probability to

@@ -992,7 +992,7 @@ std::vector<int32_t> CudaBackend::sample(const Tensor& logits, const std::vector
   bool greedy = false, sampled = false;
   for (const SampleSpec& sp : specs) (sp.temperature <= 0.0f || sp.top_k == 1 ? greedy : sampled) = true;
   Tensor part_v = alloc(DType::kF32, {rows, cuda::kArgmaxSplit}), part_i = alloc(DType::kI32, {rows, cuda::kArgmaxSplit});
-  const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), impl_->arrivals};  // (rows <= kArrivals)
+  const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), impl_->arrivals};  // (65535 rows a launch)
   cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
                       d_ids.data<int32_t>(), greedy, sampled, scratch, impl_->stream);
   std::vector<int32_t> ids(rows);
