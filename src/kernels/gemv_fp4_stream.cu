@@ -382,6 +382,24 @@ __device__ __forceinline__ void pair_sums(const float (&acc)[2][4], float& v0, f
   v1 = upper ? keep : other;
 }
 
+// One unit's two dots from its NC items (the row's staged activations at xs): the rows' windows, the items'
+// products, the warp sums, each dot scaled back by 2^(14 - c) -- built from its bits (c <= 14; 1 unless a
+// window moved): exp2f's special cases cost ~10 instructions per unit.
+template <WKind K, int NC, bool kSplit>
+__device__ __forceinline__ float2 unit_dots(const Item (&it)[NC], const uint4* xs) {
+  uint32_t s0[NC], s1[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) s0[c] = it[c].s0, s1[c] = it[c].s1;
+  int c0, c1;
+  Fmt<K>::windows(s0, s1, c0, c1);
+  float acc[2][4] = {};
+#pragma unroll
+  for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(it[c], xs + c * 128, NC * 128, c0, c1, acc);
+  float v0, v1;
+  pair_sums(acc, v0, v1);
+  return make_float2(v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23));
+}
+
 // A unit of work: row pair p; the MoE FC1 pair's choice i and output j too (p = i d_expert + j), which
 // Fc1Op::next advances without a division.
 struct Unit {
@@ -400,18 +418,8 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   const int words = row_words(k);
   if constexpr (kOneRound) {
     const float2 epi = op.epilogue(u);
-    uint32_t s0[NC], s1[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) s0[c] = cur[c].s0, s1[c] = cur[c].s1;
-    int c0, c1;
-    Fmt<K>::windows(s0, s1, c0, c1);
-    float acc[2][4] = {};
-    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
-#pragma unroll
-    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(cur[c], xs + c * 128, NC * 128, c0, c1, acc);
-    float v0, v1;
-    pair_sums(acc, v0, v1);
-    op.finish(u, v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23), epi);
+    const float2 v = unit_dots<K, NC, kSplit>(cur, planes + static_cast<size_t>(op.xrow()) * words);
+    op.finish(u, v.x, v.y, epi);
     return;
   }
   Item nxt[NC];
@@ -425,20 +433,8 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     // ~10 % of the stall samples on those copies, ninth session); in the others that cost more than it saved.
     const Unit ld = Op::kLoadAlways && !more ? u : un;
     if (Op::kLoadAlways || more) load_unit<K, NC>(op.rows(ld), k, next), epi_next = op.epilogue(ld);
-    uint32_t s0[NC], s1[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) s0[c] = now[c].s0, s1[c] = now[c].s1;
-    int c0, c1;
-    Fmt<K>::windows(s0, s1, c0, c1);
-    float acc[2][4] = {};
-    const uint4* xs = planes + static_cast<size_t>(op.xrow()) * words;
-#pragma unroll
-    for (int c = 0; c < NC; ++c) compute_item<K, kSplit>(now[c], xs + c * 128, NC * 128, c0, c1, acc);
-    float v0, v1;
-    pair_sums(acc, v0, v1);
-    // 2^(14 - c) built from its bits (c <= 14; 1 unless a window moved): exp2f's special cases cost ~10
-    // instructions per unit.
-    op.finish(u, v0 * __int_as_float(141 - c0 << 23), v1 * __int_as_float(141 - c1 << 23), epi);
+    const float2 v = unit_dots<K, NC, kSplit>(now, planes + static_cast<size_t>(op.xrow()) * words);
+    op.finish(u, v.x, v.y, epi);
     u = un, epi = epi_next;
     return more;
   };
