@@ -28,7 +28,9 @@
 // choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of
 // 2 x 16 code bytes and the scale bytes per lane, NC a template argument (k <= 4096: gpt-oss, Qwen3,
 // Llama-8B attention; longer rows take gemv_fp4.cu). The
-// next unit's loads go out before the current unit's math (double-buffered registers). The linear kernel
+// next unit's loads go out before the current unit's math (double-buffered registers); where 16 warps per SM
+// would leave a partial second round (gpt-oss's attention head), one round of up to 24 warps per SM, each
+// with its one unit and no second buffer, takes the pairs instead (kOneRound). The linear kernel
 // issues its first loads before waiting for the previous kernel (the weights do not depend on it), so they
 // overlap the activation staging; FC2, whose routes are older than FC1 (launch_moe_fc2's contract),
 // prefetches its first unit into L2 then and loads it once act's maxima are taken, as FC1 does once x's
