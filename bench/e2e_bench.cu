@@ -1,13 +1,15 @@
 // End-to-end benchmark: a model built from configs/<name>/config.json with --dummy-weights on the GPU.
-// Decode: at each --dense-format, tg128 at batch 1 (one prompt token, then 128 decode steps through
-// Model::forward_sampled, greedy ids sampled on the GPU and copied to the host, as the engine does); prints
+// Decode: at each --dense-format, tg128 at batch 1 (one prompt token, then 128 decode steps, greedy ids sampled
+// on the GPU and copied to the host, as the engine does: each step queued before the previous step's id is read,
+// its token that id on the device (Model::enqueue_sampled; --sync-decode: Model::forward_sampled, each id read
+// before the next step is queued, the engine's --no-async-scheduling)); prints
 // ready time, tok/s, the variant's bytes per token and % of the roofline (measured read bandwidth / bytes
 // per token).
 // Prefill: with the checkpoint's own dense format, ppN at batch 1: the time to process an N-token prompt
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
 // Usage: nibble_e2e_bench [--pp 512,2048,8192 | --no-pp] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
-//                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--depth N]
+//                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--depth N] [--sync-decode]
 //   --depth N: the decode runs after an N-token prompt (one prefill step) instead of one token: tg128 at
 //   context depth N (llama-benchy's "tg128 @ dN")
 //        CONFIG_DIR...
@@ -73,6 +75,7 @@ struct Args {
   bool tg = true;
   int gemm_acts = -1;  // FP4 tensor-core activations: -1 the default, 0 hi + lo, 1 one fp16
   int depth = 0;       // decode context before tg128 (0: a one-token prompt)
+  bool sync_decode = false;
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
@@ -133,6 +136,8 @@ Args parse(int argc, char** argv) {
       a.depth = static_cast<int>(v);
     } else if (s == "--no-tg") {
       a.tg = false;
+    } else if (s == "--sync-decode") {
+      a.sync_decode = true;
     } else {
       a.dirs.push_back(s);
     }
@@ -260,11 +265,25 @@ void run_decode(const Args& args, double bw) {
         std::printf("| %s | %s | forward failed: %s |\n", dir.c_str(), dense_format_name(dense), out.status().message().c_str());
         continue;
       }
-      std::chrono::steady_clock::time_point start;
-      for (int step = 0; step < kSteps + 2; ++step) {
-        if (step == 2) start = std::chrono::steady_clock::now();  // two warm-up steps: eager, capture
-        b = Batch{{static_cast<int32_t>(1 + step % 100)}, {{table, prompt + step, 1, false}}};
-        if (!model.forward_sampled(b, *cache, {SampleSpec{}}).ok()) break;  // greedy on the GPU, as the engine
+      auto token = [&](int step) { return Batch{{static_cast<int32_t>(1 + step % 100)}, {{table, prompt + step, 1, false}}}; };
+      bool ok = model.forward_sampled(token(0), *cache, {SampleSpec{}}).ok() &&  // two warm-up steps: eager, capture
+                model.forward_sampled(token(1), *cache, {SampleSpec{}}).ok();
+      const auto start = std::chrono::steady_clock::now();
+      if (args.sync_decode) {
+        for (int step = 2; ok && step < kSteps + 2; ++step) ok = model.forward_sampled(token(step), *cache, {SampleSpec{}}).ok();
+      } else {
+        ok = model.enqueue_sampled(token(2), *cache, {SampleSpec{}}).ok();
+        for (int step = 3; ok && step < kSteps + 2; ++step) {
+          Batch b2 = token(step);
+          b2.tokens = {-1};  // the previous step's id, on the device
+          ok = model.enqueue_sampled(b2, *cache, {SampleSpec{}}).ok();
+          model.wait_sampled();  // the previous step's id
+        }
+        if (ok) model.wait_sampled();
+      }
+      if (!ok) {
+        std::printf("| %s | %s | decode step failed |\n", dir.c_str(), dense_format_name(dense));
+        continue;
       }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double tps = kSteps / secs, bpt = bytes_per_token(model.config(), dense, ctx);

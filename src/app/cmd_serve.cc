@@ -95,6 +95,7 @@ int cmd_serve(const ServeArgs& args) {
   ec.max_model_len = ctx.max_model_len;
   ec.max_queue = args.max_queue;
   ec.enable_prefix_caching = args.enable_prefix_caching;
+  ec.async_scheduling = args.async_scheduling;
   ec.scheduler.max_num_seqs = args.max_num_seqs;
   ec.scheduler.max_num_batched_tokens =
       args.max_num_batched_tokens > 0 ? args.max_num_batched_tokens : std::max(2048, args.max_num_seqs);
@@ -128,13 +129,13 @@ int cmd_serve(const ServeArgs& args) {
 
   std::fprintf(
       stderr,
-      "nibble serve: model=%s arch=%s served_model_name=%s device=cpu host=%s port=%d max_model_len=%d "
+      "nibble serve: model=%s arch=%s served_model_name=%s device=%s host=%s port=%d max_model_len=%d "
       "max_num_seqs=%d max_num_batched_tokens=%d max_queue=%d kv_blocks=%d (%d tokens, %.1f MiB) "
-      "block_size=%d prefix_caching=%s chat_format=%s api_key=%s shutdown_timeout=%gs\n",
-      args.model.c_str(), cfg.model_type.c_str(), ctx.served_model_name.c_str(), args.host.c_str(),
+      "block_size=%d prefix_caching=%s async_scheduling=%s chat_format=%s api_key=%s shutdown_timeout=%gs\n",
+      args.model.c_str(), cfg.model_type.c_str(), ctx.served_model_name.c_str(), s.model->device_name(), args.host.c_str(),
       server.port(), ctx.max_model_len, ec.scheduler.max_num_seqs, ec.scheduler.max_num_batched_tokens,
       ec.max_queue, ec.n_blocks, ec.n_blocks * kKvBlock, ec.n_blocks * block_bytes / 1048576.0, kKvBlock,
-      ec.enable_prefix_caching ? "on" : "off", chat_format_name(ctx.chat_format),
+      ec.enable_prefix_caching ? "on" : "off", ec.async_scheduling ? "on" : "off", chat_format_name(ctx.chat_format),
       args.api_key.empty() ? "off" : "on", args.shutdown_timeout);
   std::thread http([&] { server.listen(); });
   std::fprintf(stderr, "nibble serve: ready on http://%s:%d\n", args.host.c_str(), server.port());

@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   serve_cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", serve.enable_prefix_caching,
                       "Reuse KV blocks of shared prompt prefixes")->capture_default_str();
+  serve_cmd->add_flag("--async-scheduling,!--no-async-scheduling", serve.async_scheduling,
+                      "Queue each decode step before reading the previous step's sampled ids")->capture_default_str();
   serve_cmd->add_option("--max-request-bytes", serve.max_request_bytes, "Larger request bodies get 413")
       ->check(CLI::PositiveNumber)->capture_default_str();
   serve_cmd->add_option("--shutdown-timeout", serve.shutdown_timeout, "Seconds to drain after SIGTERM")

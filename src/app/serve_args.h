@@ -28,6 +28,7 @@ struct ServeArgs {
   std::string dense_format = "keep";
   bool dummy_weights = false;  // random weights from config.json alone
   bool enable_prefix_caching = true;
+  bool async_scheduling = true;
   size_t max_request_bytes = 4 << 20;
   double shutdown_timeout = 30.0;   // seconds of drain after SIGTERM before in-flight requests abort
   std::string chat_format;          // override: harmony | chatml | llama3

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,7 +62,7 @@ struct SeqInfo {
 
 // Everything about a forward step that is not a weight or an activation; validated by Model::forward.
 struct BatchInfo {
-  std::vector<int32_t> tokens;     // [n_tokens]
+  std::vector<int32_t> tokens;     // [n_tokens]; -1 - j: row j of the last sample_async's ids (Backend)
   std::vector<int32_t> positions;  // [n_tokens]: n_past + i within each sequence
   std::vector<int32_t> seq_of;     // [n_tokens]: index into seqs
   std::vector<SeqInfo> seqs;
@@ -224,6 +225,36 @@ class Backend {
   // One token id per row of logits [rows, vocab] under specs[row] (see SampleSpec); only the ids reach
   // the host.
   virtual std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) = 0;
+
+  // Sampling the caller does not wait for: a decode loop queues step n + 1 before it reads step n's ids, so
+  // the device does not idle while the host reads ids and prepares the next step. sample_async queues
+  // sample(logits, specs); wait_sampled returns the ids of the oldest queued one not yet returned. The ids
+  // of the latest sample_async (its first kKeptSampledRows rows) stay on the backend: a later step's token
+  // -1 - j (BatchInfo::tokens) is its row j, read where the ids are (the CUDA backend: on the device).
+  // This default samples at once and keeps the ids on the host.
+  static constexpr int64_t kKeptSampledRows = 65536;
+  virtual void sample_async(const Tensor& logits, const std::vector<SampleSpec>& specs) {
+    sampled_.push_back(sample(logits, specs));
+    last_sampled_ = sampled_.back();
+    if (static_cast<int64_t>(last_sampled_.size()) > kKeptSampledRows) last_sampled_.resize(kKeptSampledRows);
+  }
+  virtual std::vector<int32_t> wait_sampled() {
+    NB_CHECK(!sampled_.empty(), "wait_sampled: nothing queued");
+    std::vector<int32_t> ids = std::move(sampled_.front());
+    sampled_.pop_front();
+    return ids;
+  }
+
+ protected:
+  // Batch row t's token id, resolving -1 - j to the kept ids of the last sample_async (host backends).
+  int32_t token_at(const BatchInfo& b, int64_t t) const {
+    const int32_t id = b.tokens[t];
+    return id >= 0 ? id : last_sampled_.at(static_cast<size_t>(-1 - static_cast<int64_t>(id)));
+  }
+
+ private:
+  std::vector<int32_t> last_sampled_;
+  std::deque<std::vector<int32_t>> sampled_;
 };
 
 }  // namespace nb

@@ -12,11 +12,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerBlock = kThreads / 32;
 
-__global__ void embedding_kernel(const __grid_constant__ DevWeight table, const int32_t* __restrict__ tokens, int64_t n_tokens,
-                                 float* __restrict__ out) {
+__global__ void embedding_kernel(const __grid_constant__ DevWeight table, const int32_t* __restrict__ tokens,
+                                 const int32_t* __restrict__ last_ids, int64_t n_tokens, float* __restrict__ out) {
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   const int64_t t = blockIdx.y;
-  const int row = tokens[t];
+  int row = tokens[t];
+  if (row < 0) row = last_ids[-1 - row];  // a token sampled by the previous step, still on the device
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < table.k; j += gridDim.x * blockDim.x)
     out[t * table.k + j] = weight_at(table, row, j);
 }
@@ -156,10 +157,11 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1)
 
 }  // namespace
 
-void launch_embedding(const DevWeight& table, const int32_t* tokens, int64_t n_tokens, float* out, cudaStream_t s) {
+void launch_embedding(const DevWeight& table, const int32_t* tokens, const int32_t* last_ids, int64_t n_tokens,
+                      float* out, cudaStream_t s) {
   NB_CHECK(n_tokens >= 1 && n_tokens <= 65535, "embedding: token count");
   launch_pdl(embedding_kernel, dim3(std::min(ceil_div(table.k, kThreads), 64), n_tokens), kThreads, 0, s, table, tokens,
-                                                                                                   n_tokens, out);
+             last_ids, n_tokens, out);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -11,7 +11,9 @@
 namespace nb::cuda {
 
 // out[t, :] = table[tokens[t], :] decoded to fp32. out [n_tokens, table.k].
-void launch_embedding(const DevWeight& table, const int32_t* tokens, int64_t n_tokens, float* out, cudaStream_t s);
+// tokens [n_tokens]: a token -1 - j is last_ids[j] (the previous step's sampled ids, on the device).
+void launch_embedding(const DevWeight& table, const int32_t* tokens, const int32_t* last_ids, int64_t n_tokens,
+                      float* out, cudaStream_t s);
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps), rows of d. With residual: x[r, :] += residual[r, :]
 // first (in place), then the norm of the sum.
 void launch_rms_norm(float* x, const float* residual, const float* w, int64_t rows, int d, float eps, float* out,

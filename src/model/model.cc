@@ -1,6 +1,7 @@
 // Model::load (config, checkpoint, backend, architecture), batch validation and describe().
 #include "model/model.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -170,10 +171,15 @@ Result<BatchInfo> Model::make_batch_info(const Batch& batch, const KvCache& cach
   if (total != b.n_tokens())
     return error("batch: sequences hold " + std::to_string(total) + " tokens but the batch has " +
                  std::to_string(b.n_tokens()));
-  for (int64_t t = 0; t < b.n_tokens(); ++t)
-    if (b.tokens[t] < 0 || b.tokens[t] >= config_.vocab_size)
-      return error("batch: token id " + std::to_string(b.tokens[t]) + " outside the vocabulary of " +
+  for (int64_t t = 0; t < b.n_tokens(); ++t) {
+    const int32_t id = b.tokens[t];
+    if (id < 0 && -1 - int64_t{id} >= last_sampled_rows_)
+      return error("batch: token " + std::to_string(id) + " names row " + std::to_string(-1 - int64_t{id}) +
+                   " of the last sampled step's ids (rows: " + std::to_string(last_sampled_rows_) + ")");
+    if (id >= config_.vocab_size)
+      return error("batch: token id " + std::to_string(id) + " outside the vocabulary of " +
                    std::to_string(config_.vocab_size));
+  }
   return b;
 }
 
@@ -197,11 +203,28 @@ Result<std::vector<int32_t>> Model::forward_sampled(const Batch& batch, KvCache&
                                                     const std::vector<SampleSpec>& specs) {
   if (cache.k.size() != static_cast<size_t>(config_.n_layers))
     return error("KV cache made for another model");
+  if (n_queued_ > 0) return error("forward_sampled: " + std::to_string(n_queued_) + " queued steps not waited for");
+  NB_RETURN_IF_ERROR(enqueue_sampled(batch, cache, specs));
+  return wait_sampled();
+}
+
+Status Model::enqueue_sampled(const Batch& batch, KvCache& cache, const std::vector<SampleSpec>& specs) {
+  if (cache.k.size() != static_cast<size_t>(config_.n_layers))
+    return error("KV cache made for another model");
   NB_ASSIGN_OR_RETURN(BatchInfo info, make_batch_info(batch, cache));
   if (specs.size() != info.logit_rows.size())
     return error("forward_sampled: " + std::to_string(specs.size()) + " sampling specs for " +
                  std::to_string(info.logit_rows.size()) + " logits rows");
-  return backend_->sample(run_step(info, cache), specs);
+  backend_->sample_async(run_step(info, cache), specs);
+  last_sampled_rows_ = std::min<int64_t>(static_cast<int64_t>(specs.size()), Backend::kKeptSampledRows);
+  ++n_queued_;
+  return Status();
+}
+
+std::vector<int32_t> Model::wait_sampled() {
+  NB_CHECK(n_queued_ > 0, "wait_sampled: no queued step");
+  --n_queued_;
+  return backend_->wait_sampled();
 }
 
 std::string Model::describe() const {

@@ -61,6 +61,8 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  // "cpu" or "cuda" (the backend the ops run on).
+  const char* device_name() const { return backend_->name().rfind("cuda", 0) == 0 ? "cuda" : "cpu"; }
   // For `nibble inspect`: architecture, dimensions, and per tensor class its format, shape, parameters
   // and bytes, with totals.
   std::string describe() const;
@@ -75,6 +77,12 @@ class Model {
   // row order); only the ids reach the host (Backend::sample).
   Result<std::vector<int32_t>> forward_sampled(const Batch& batch, KvCache& cache,
                                                const std::vector<SampleSpec>& specs);
+  // forward_sampled without waiting: the step and its sampling are queued on the backend, and
+  // wait_sampled() returns the ids of the oldest queued step. A later batch's token -1 - j names row j of
+  // the last queued step's ids, which stay on the backend: a decode loop queues step n + 1 before it reads
+  // step n's ids (Backend::sample_async). Every queued step must be waited for, in order.
+  Status enqueue_sampled(const Batch& batch, KvCache& cache, const std::vector<SampleSpec>& specs);
+  std::vector<int32_t> wait_sampled();
 
  protected:
   // The architecture's forward pass: logits [b.logit_rows.size(), vocab] on the backend.
@@ -89,6 +97,8 @@ class Model {
 
  private:
   Result<BatchInfo> make_batch_info(const Batch& batch, const KvCache& cache) const;
+  int64_t last_sampled_rows_ = 0;  // rows of the last queued step's ids a token -1 - j may name
+  int n_queued_ = 0;               // enqueue_sampled steps not yet waited for
   // The logits of a validated batch, on the backend (a CUDA graph replay for decode steps).
   Tensor run_step(const BatchInfo& info, KvCache& cache);
 };

@@ -100,12 +100,14 @@ void Engine::loop() {
     take_inbox();
     if (abort_all) {
       for (auto& [id, a] : active_) finish(*a, FinishReason::kAbort, -1);
+      if (inflight_) collect();  // (every sequence finished: the ids are read and dropped)
       active_.clear();
       publish_stats();
       return;
     }
     drop_cancelled();
     if (!active_.empty()) step();
+    if (active_.empty() && inflight_) collect();  // all cancelled: nothing else will read these ids
     publish_stats();
   }
 }
@@ -202,7 +204,36 @@ void Engine::emit_id(Active& a, int32_t id, std::span<const float> row) {
     finish(a, FinishReason::kLength, -1);
 }
 
+bool Engine::can_overlap() const {
+  for (const uint64_t id : inflight_->seq_ids) {
+    auto it = active_.find(id);
+    if (it == active_.end()) continue;
+    const Active& a = *it->second;
+    if (a.seq.status != SeqStatus::kFinished &&
+        (a.seq.n_output() >= a.req.max_tokens || a.seq.size() >= config_.max_model_len))
+      return false;
+  }
+  return true;
+}
+
+void Engine::collect() {
+  const InFlight f = std::move(*inflight_);
+  inflight_.reset();
+  const std::vector<int32_t> ids = model_.wait_sampled();
+  for (size_t i = 0; i < f.seq_ids.size(); ++i) {
+    if (!f.emits[i]) continue;
+    auto it = active_.find(f.seq_ids[i]);
+    if (it == active_.end() || it->second->seq.status == SeqStatus::kFinished) continue;
+    Active& a = *it->second;
+    NB_CHECK(!a.seq.tokens.empty() && a.seq.tokens.back() == -1 - static_cast<int32_t>(i), "placeholder token");
+    a.seq.tokens.pop_back();
+    emit_id(a, ids[i], {});
+  }
+}
+
 void Engine::step() {
+  // The in-flight step's pending tokens stay placeholders in this step's batch unless it is collected first.
+  if (inflight_ && !can_overlap()) collect();
   const Schedule schedule = scheduler_.schedule();
   {
     std::lock_guard lock(mu_);
@@ -215,7 +246,10 @@ void Engine::step() {
       stats_.prompt_tokens += s.seq->n_prompt;
     }
   }
-  if (schedule.empty()) return;  // everything waits for blocks that a cancellation will free
+  if (schedule.empty()) {  // everything waits for blocks that a cancellation will free
+    if (inflight_) collect();
+    return;
+  }
 
   Batch batch;
   for (const ScheduledSeq& s : schedule.seqs) {
@@ -231,37 +265,50 @@ void Engine::step() {
   // only the ids come back (rows of unfinished prefill chunks get a greedy spec and are ignored).
   bool host = false;
   std::vector<SampleSpec> specs(schedule.seqs.size());
+  InFlight next;
   for (size_t i = 0; i < schedule.seqs.size(); ++i) {
     Sequence* seq = schedule.seqs[i].seq;
-    if (schedule.seqs[i].n_new != seq->n_pending()) continue;  // this step leaves the prefill unfinished
+    next.seq_ids.push_back(seq->id);
+    next.emits.push_back(schedule.seqs[i].n_new == seq->n_pending());
+    if (!next.emits.back()) continue;  // this step leaves the prefill unfinished
     Active& a = *active_.at(seq->id);
     host = host || needs_host_logits(a);
     specs[i] = a.sampler->next();
   }
   Result<std::vector<float>> logits = std::vector<float>();
-  Result<std::vector<int32_t>> ids = std::vector<int32_t>();
-  if (host)
+  Status st;
+  if (host) {
     logits = model_.forward(batch, *cache_);
-  else
-    ids = model_.forward_sampled(batch, *cache_, specs);
-  const Status st = host ? logits.status() : ids.status();
+    st = logits.status();
+  } else {
+    st = model_.enqueue_sampled(batch, *cache_, specs);
+  }
+  // The previous step's ids come first (its tokens precede this step's); some of its sequences may end
+  // here, which makes their part of this step void.
+  if (inflight_) collect();
   if (!st.ok()) {
     NB_LOG_WARN("forward failed: %s", st.message().c_str());
     for (const ScheduledSeq& s : schedule.seqs) finish(*active_.at(s.seq->id), FinishReason::kError, -1, st.message());
     return;
   }
-  scheduler_.on_step_done(schedule);
-  const size_t vocab = host ? logits.value().size() / schedule.seqs.size() : 0;
+  Schedule done = schedule;
+  std::erase_if(done.seqs, [](const ScheduledSeq& s) { return s.seq->status == SeqStatus::kFinished; });
+  scheduler_.on_step_done(done);
+  if (!host) {
+    for (size_t i = 0; i < schedule.seqs.size(); ++i) {
+      Sequence* seq = schedule.seqs[i].seq;
+      if (next.emits[i] && seq->status != SeqStatus::kFinished) seq->tokens.push_back(-1 - static_cast<int32_t>(i));
+    }
+    inflight_ = std::move(next);
+    if (!config_.async_scheduling) collect();
+    return;
+  }
+  const size_t vocab = logits.value().size() / schedule.seqs.size();
   for (size_t i = 0; i < schedule.seqs.size(); ++i) {
     Sequence* seq = schedule.seqs[i].seq;
-    if (seq->n_pending() != 0) continue;  // a prefill chunk short of the end: no token yet
-    Active& a = *active_.at(seq->id);
-    if (!host) {
-      emit_id(a, ids.value()[i], {});
-    } else {
-      // The uniform draw was already taken (specs[i]); the host sampler uses that same draw.
-      emit_token(a, std::span<const float>(logits.value()).subspan(i * vocab, vocab), specs[i]);
-    }
+    if (seq->status == SeqStatus::kFinished || seq->n_pending() != 0) continue;  // void, or no token yet
+    // The uniform draw was already taken (specs[i]); the host sampler uses that same draw.
+    emit_token(*active_.at(seq->id), std::span<const float>(logits.value()).subspan(i * vocab, vocab), specs[i]);
   }
 }
 

@@ -3,6 +3,11 @@
 // cancelled ones (freeing their blocks at once), asks the Scheduler for a step, runs Model::forward
 // over the step's batch, samples each sequence whose pending tokens are all computed, and pushes the
 // token to its stream. Stop strings are the HTTP side's business (it cancels when it finds one).
+// Async scheduling (the default): a step whose tokens are sampled on the backend is queued without waiting
+// for its ids; the next step is scheduled and queued first, naming each pending token by its row in the
+// queued step's ids (Model::enqueue_sampled), and only then are the ids read and emitted. The device runs
+// step after step while the host reads ids; a sequence that stops at step n has run step n + 1 for nothing
+// (its output is dropped; the KV it wrote lies past its end, in blocks it no longer owns).
 #pragma once
 
 #include <chrono>
@@ -10,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -29,6 +35,7 @@ struct EngineConfig {
   int32_t n_blocks = 0;          // KV cache blocks; must hold at least one max_model_len sequence
   bool enable_prefix_caching = true;
   int32_t max_queue = 256;  // waiting requests beyond this are refused (HTTP 429)
+  bool async_scheduling = true;  // see above; false: each step's ids are read before the next is scheduled
 };
 
 struct GenerationRequest {
@@ -72,8 +79,21 @@ class Engine {
     bool started = false;  // scheduled at least once (no longer counts against --max-queue)
   };
 
+  // A queued step whose ids have not been read: per logits row, the sequence and whether the row is a
+  // token (an unfinished prefill chunk's row is not). Its sequences hold a placeholder as their last token
+  // (-1 - row: the batch token that names the row on the backend) until collect() writes the id.
+  struct InFlight {
+    std::vector<uint64_t> seq_ids;
+    std::vector<bool> emits;
+  };
+
   void loop();
   void step();
+  // Reads the in-flight step's ids and emits them (sequences finished since it was queued are skipped).
+  void collect();
+  // Whether the next step may be scheduled before the in-flight one is collected: not when one of its
+  // sequences is sure to end on its pending token (length), which would run a step for nothing.
+  bool can_overlap() const;
   void take_inbox();
   void drop_cancelled();
   void finish(Active& a, FinishReason reason, int32_t stop_token, const std::string& error = "");
@@ -92,6 +112,7 @@ class Engine {
   Scheduler scheduler_;
   std::unordered_map<uint64_t, std::unique_ptr<Active>> active_;  // engine thread only
   std::vector<uint64_t> finished_;                                // this step's, erased after it
+  std::optional<InFlight> inflight_;
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_, cv_idle_;

@@ -130,6 +130,51 @@ TEST_P(GoldenCuda, GreedyWithKvCache) {
   }
 }
 
+// The decode loop of async scheduling: each step queued before the previous step's ids are read, its tokens
+// named by their rows in those ids (-1 - row, read on the device by the embedding inside the step's CUDA graph)
+// gives the ids of the synchronous loop with the ids sent back from the host; two sequences, so the rows
+// matter, and enough steps for the graph's eager run, capture and replays.
+TEST_P(GoldenCuda, QueuedStepsReadTheirTokensOnTheDevice) {
+  const std::vector<int32_t> prompt = ref_["greedy"]["prompt"].get<std::vector<int32_t>>();
+  const int32_t n0 = static_cast<int32_t>(prompt.size()), n1 = std::max<int32_t>(1, n0 / 2);
+  const std::vector<int32_t> t0 = {0, 1, 2, 3}, t1 = {4, 5, 6, 7};
+  constexpr int kSteps = 12;
+  auto first = [&] {
+    Batch b{prompt, {{t0, 0, n0, false}, {t1, 0, n1, false}}};
+    b.tokens.insert(b.tokens.end(), prompt.rbegin(), prompt.rbegin() + n1);  // the second prompt: reversed
+    return b;
+  };
+  auto next = [&](int step, std::vector<int32_t> tokens) {
+    return Batch{std::move(tokens), {{t0, n0 + step, 1, false}, {t1, n1 + step, 1, false}}};
+  };
+  const std::vector<SampleSpec> greedy(2);
+  std::vector<int32_t> sync_ids, queued_ids;
+  {
+    auto cache = model_->new_kv_cache(8);
+    auto ids = model_->forward_sampled(first(), *cache, greedy);
+    for (int step = 0; ids.ok() && step < kSteps; ++step) {
+      sync_ids.insert(sync_ids.end(), ids->begin(), ids->end());
+      ids = model_->forward_sampled(next(step, *ids), *cache, greedy);
+    }
+    ASSERT_TRUE(ids.ok()) << ids.status().message();
+  }
+  {
+    auto cache = model_->new_kv_cache(8);
+    ASSERT_TRUE(model_->enqueue_sampled(first(), *cache, greedy).ok());
+    for (int step = 0; step < kSteps; ++step) {
+      ASSERT_TRUE(model_->enqueue_sampled(next(step, {-1, -2}), *cache, greedy).ok());
+      const std::vector<int32_t> ids = model_->wait_sampled();
+      queued_ids.insert(queued_ids.end(), ids.begin(), ids.end());
+    }
+    model_->wait_sampled();
+    // A row the last step did not sample is refused, naming it.
+    auto bad = model_->forward_sampled(next(kSteps, {-1, -3}), *cache, greedy);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("names row 2"), std::string::npos) << bad.status().message();
+  }
+  EXPECT_EQ(queued_ids, sync_ids);
+}
+
 // The tiled prefill attention for every step (one-token steps included): one batch, chunks of many sizes
 // through the cached prefix (the gpt-oss model's window is 8, so most chunks start past it).
 TEST_P(GoldenCuda, TiledAttentionEverywhere) {

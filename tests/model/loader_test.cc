@@ -140,6 +140,7 @@ TEST(BatchErrors, MalformedBatchesAreErrors) {
       {"table too small", Batch{std::vector<int32_t>(17, 1), {{{0}, 0, 17, false}}}},
       {"block id out of range", Batch{{1, 2}, {{{2}, 0, 2, false}}}},
       {"token outside vocab", Batch{{1, model.config().vocab_size}, {{{0}, 0, 2, false}}}},
+      {"sampled-token row without a sampled step", Batch{{1, -1}, {{{0}, 0, 2, false}}}},
       {"count mismatch", Batch{{1, 2, 3}, {{{0}, 0, 2, false}}}},
       {"no sequences", Batch{{1}, {}}},
       {"n_new zero", Batch{{}, {{{0}, 0, 0, false}}}},
@@ -149,6 +150,21 @@ TEST(BatchErrors, MalformedBatchesAreErrors) {
     EXPECT_FALSE(out.ok()) << what;
     if (!out.ok()) std::printf("  %s: %s\n", what, out.status().message().c_str());
   }
+  // After a queued step of one row, token -1 names it (resolved on the backend) and -2 is refused.
+  ASSERT_TRUE(model.enqueue_sampled(Batch{{1, 2}, {{{0}, 0, 2, false}}}, *cache, {SampleSpec{}}).ok());
+  auto next = model.enqueue_sampled(Batch{{-1}, {{{0}, 2, 1, false}}}, *cache, {SampleSpec{}});
+  EXPECT_TRUE(next.ok()) << next.message();
+  const std::vector<int32_t> first = model.wait_sampled();
+  ASSERT_EQ(first.size(), 1u);
+  model.wait_sampled();
+  auto bad_row = model.forward(Batch{{-2}, {{{0}, 3, 1, false}}}, *cache);
+  ASSERT_FALSE(bad_row.ok());
+  EXPECT_NE(bad_row.status().message().find("names row 1 of the last sampled step's ids (rows: 1)"), std::string::npos)
+      << bad_row.status().message();
+  // forward_sampled refuses to run while a queued step has not been waited for (its ids would come back).
+  ASSERT_TRUE(model.enqueue_sampled(Batch{{-1}, {{{0}, 3, 1, false}}}, *cache, {SampleSpec{}}).ok());
+  EXPECT_FALSE(model.forward_sampled(Batch{{-1}, {{{0}, 4, 1, false}}}, *cache, {SampleSpec{}}).ok());
+  model.wait_sampled();
 }
 
 TEST(Describe, NamesFormatsAndTotals) {

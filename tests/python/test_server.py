@@ -413,6 +413,24 @@ def test_concurrent_equals_alone(qwen):
     assert together == alone
 
 
+def test_sync_scheduling_equals_async(qwen):
+    """--no-async-scheduling (each step's ids read before the next step is queued) serves the same tokens as
+    the default, which queues each step first: seeded sampling, stops and concurrent requests included."""
+    sync = Server("qwen3_nvfp4_ct", "--max-model-len", 256, "--no-async-scheduling")
+    try:
+        assert any("async_scheduling=off" in line for line in sync.stderr_lines)
+        assert any("async_scheduling=on" in line for line in qwen.stderr_lines)
+        prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+        bodies = [dict(prompt=p, max_tokens=12 + i, ignore_eos=i % 2 == 0, seed=i, temperature=0.0 if i % 3 else 0.8)
+                  for i, p in enumerate(prompts)]
+        def texts(server):
+            with cf.ThreadPoolExecutor(6) as ex:
+                return list(ex.map(lambda b: comp(server, **b).json()["choices"][0]["text"], bodies))
+        assert texts(sync) == texts(qwen)
+    finally:
+        sync.stop()
+
+
 def test_prefix_cache_hits(qwen):
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 6
     before = qwen.metric("vllm:prefix_cache_hits_total")

@@ -131,6 +131,70 @@ TEST(Engine, CancelFreesBlocksAndQueueIsBounded) {
   EXPECT_EQ(engine.submit({greedy(8, 4, 4)}, &s), SubmitError::kShuttingDown);
 }
 
+// Async scheduling (each step queued before the previous step's ids are read, its pending tokens named by
+// their rows on the backend) emits what the synchronous loop emits, token for token, across everything that
+// moves a sequence between steps: stops mid-batch (their next step already queued and voided), lengths,
+// seeded sampling, a request whose logits come to the host (logprobs: those steps run synchronously),
+// min_tokens, chunked prefill, prefix sharing and preemption; every block is free at the end.
+TEST(Engine, AsyncSchedulingEmitsWhatTheSyncLoopEmits) {
+  auto model = load();
+  std::vector<GenerationRequest> reqs = {greedy(40, 1, 24), greedy(23, 50, 30), greedy(5, 9, 40), greedy(40, 1, 20),
+                                         greedy(12, 77, 25), greedy(9, 5, 18)};
+  reqs[1].sampling.temperature = 0.9f, reqs[1].sampling.seed = 7, reqs[1].sampling.has_seed = true;
+  reqs[4].sampling.temperature = 1.2f, reqs[4].sampling.top_k = 40, reqs[4].sampling.seed = 3;
+  reqs[4].sampling.has_seed = true;
+  reqs[5].logprobs = 2;
+  reqs[3].min_tokens = 4;
+  // Stop ids taken from a first run, so that some sequences stop part-way while others go on.
+  const std::vector<std::vector<int32_t>> free_run = run(*model, config(64, 128, 2048, false), reqs);
+  reqs[0].stop_token_ids = {free_run[0][6]};
+  reqs[2].stop_token_ids = {free_run[2][11]};
+  reqs[3].stop_token_ids = {free_run[3][2], free_run[3][9]};  // the first masked (min_tokens): the host path
+
+  struct Out {
+    std::vector<int32_t> ids;
+    FinishReason finish;
+    int32_t stop_token;
+    std::vector<float> logprobs;
+    bool operator==(const Out&) const = default;
+  };
+  auto outputs = [&](EngineConfig c, bool async, int64_t* preemptions) {
+    c.async_scheduling = async;
+    Engine engine(*model, c);
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    EXPECT_EQ(engine.submit(reqs, &streams), SubmitError::kNone);
+    std::vector<Out> out;
+    for (auto& s : streams) {
+      Out o;
+      for (;;) {
+        StreamUpdate u = s->wait(1000ms);
+        for (auto& t : u.tokens) o.ids.push_back(t.id), o.logprobs.push_back(t.logprob);
+        if (u.done()) {
+          o.finish = u.finish, o.stop_token = u.stop_token;
+          break;
+        }
+      }
+      out.push_back(o);
+    }
+    engine.shutdown(1000ms);
+    EXPECT_EQ(engine.stats().n_blocks_used, 0);
+    if (preemptions) *preemptions = engine.stats().preemptions;
+    return out;
+  };
+  for (const EngineConfig& c : {config(64, 128, 2048, true), config(64, 128, 16, true), config(8, 128, 64, false)}) {
+    int64_t preempted_sync = 0, preempted_async = 0;
+    const std::vector<Out> sync = outputs(c, false, &preempted_sync);
+    EXPECT_EQ(sync[0].finish, FinishReason::kStop);
+    EXPECT_LE(sync[0].ids.size(), 6u);
+    EXPECT_TRUE(sync[3].finish != FinishReason::kStop || sync[3].ids.size() >= 4u);  // min_tokens
+    EXPECT_EQ(sync[1].finish, FinishReason::kLength);
+    EXPECT_EQ(outputs(c, true, &preempted_async), sync) << "budget " << c.scheduler.max_num_batched_tokens;
+    if (c.n_blocks == 8) {
+      EXPECT_GT(preempted_async, 0);
+    }
+  }
+}
+
 TEST(Engine, ShutdownAbortsAfterTheDrain) {
   auto model = load();
   Engine engine(*model, config(64, 1024, 2048, true));

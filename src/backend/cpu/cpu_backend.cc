@@ -75,7 +75,7 @@ std::unique_ptr<KvCache> CpuBackend::new_kv_cache(int n_layers, int n_blocks, in
 Tensor CpuBackend::embedding(const Weight& table, const BatchInfo& b) {
   Tensor out = alloc(DType::kF32, {b.n_tokens(), table.k});  // [n_tokens, d_model]
   float* o = out.data<float>();
-  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(table, b.tokens[t], o + t * table.k);
+  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(table, token_at(b, t), o + t * table.k);
   return out;
 }
 

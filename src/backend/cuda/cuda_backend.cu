@@ -178,9 +178,51 @@ struct CudaBackend::Impl {
   // L2 prefetch hints handed to the next one-token MoE FC2 launch (moe_experts_then_prefetch): the kernel
   // issues them and clears n; any left are launched as their own kernel after the experts.
   cuda::PrefetchRanges fc2_prefetch;
+  // The ids of the last sample_async, [Backend::kKeptSampledRows]: a step's token -1 - j reads row j (the
+  // embedding kernel, in stream order after the sampling that wrote them).
+  int32_t* last_ids = nullptr;
+  // Pinned host memory with the event after the stream's last use of it: the queued samples' ids (device
+  // to host) and the staging of small host-to-device copies (a copy from pageable memory may wait for
+  // the stream, which would make the host wait for the step it is queueing behind).
+  struct Pinned {
+    void* host = nullptr;
+    size_t capacity = 0, bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  static constexpr int kPinnedRing = 8;
+  std::vector<Pinned> staging = std::vector<Pinned>(kPinnedRing), sampled = std::vector<Pinned>(kPinnedRing);
+  int next_staging = 0, next_sampled = 0, n_sampled = 0;  // sampled: a ring of n_sampled queued from the oldest
+
+  // A pinned buffer of at least `bytes` whose previous use by the stream has finished.
+  static void* reuse(Pinned& p, size_t bytes) {
+    if (p.done) CUDA_CHECK(cudaEventSynchronize(p.done));
+    else CUDA_CHECK(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming));
+    if (p.capacity < bytes) {
+      if (p.host) CUDA_CHECK(cudaFreeHost(p.host));
+      p.capacity = std::max<size_t>(bytes, 4096);
+      CUDA_CHECK(cudaHostAlloc(&p.host, p.capacity, cudaHostAllocDefault));
+    }
+    p.bytes = bytes;
+    return p.host;
+  }
+
+  // Host to device in stream order, through pinned staging: returns without waiting for the stream.
+  void upload_async(void* dst, const void* src, size_t bytes) {
+    Pinned& p = staging[next_staging];
+    next_staging = (next_staging + 1) % kPinnedRing;
+    std::memcpy(reuse(p, bytes), src, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(dst, p.host, bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaEventRecord(p.done, stream));
+  }
 
   ~Impl() {
     if (stream) cudaStreamSynchronize(stream);
+    for (std::vector<Pinned>* ring : {&staging, &sampled})
+      for (Pinned& p : *ring) {
+        if (p.host) cudaFreeHost(p.host);
+        if (p.done) cudaEventDestroy(p.done);
+      }
+    if (last_ids) cudaFree(last_ids);
     for (auto& [key, g] : graphs) {
       if (g.exec) cudaGraphExecDestroy(g.exec);
       g.meta = Tensor();
@@ -300,7 +342,7 @@ struct CudaBackend::Impl {
 
   // Points the ops at batch metadata in `buf` (uploading h into it).
   void bind_batch(const BatchInfo& b, std::vector<int32_t> h, int32_t stride, const Tensor& buf) {
-    CUDA_CHECK(cudaMemcpyAsync(buf.data<int32_t>(), h.data(), h.size() * 4, cudaMemcpyHostToDevice, stream));
+    upload_async(buf.data<int32_t>(), h.data(), h.size() * 4);
     const int64_t T = b.n_tokens();
     const int32_t* base = buf.data<int32_t>();
     d_tokens = base;
@@ -351,6 +393,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   NB_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&impl->arrivals, kArrivals * sizeof(unsigned)), "cudaMalloc"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->arrivals, 0, kArrivals * sizeof(unsigned)), "cudaMemset"));
+  NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&impl->last_ids, kKeptSampledRows * sizeof(int32_t)), "cudaMalloc"));
+  NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->last_ids, 0, kKeptSampledRows * sizeof(int32_t)), "cudaMemset"));
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -490,7 +534,8 @@ std::unique_ptr<KvCache> CudaBackend::new_kv_cache(int n_layers, int n_blocks, i
 Tensor CudaBackend::embedding(const Weight& table, const BatchInfo& b) {
   impl_->batch(b);
   Tensor out = alloc(DType::kF32, {b.n_tokens(), table.k});  // [n_tokens, d_model]
-  cuda::launch_embedding(impl_->dev_weight(table), impl_->d_tokens, b.n_tokens(), out.data<float>(), impl_->stream);
+  cuda::launch_embedding(impl_->dev_weight(table), impl_->d_tokens, impl_->last_ids, b.n_tokens(), out.data<float>(),
+                         impl_->stream);
   return out;
 }
 
@@ -978,27 +1023,50 @@ Tensor CudaBackend::gather_rows(const Tensor& x, const std::vector<int32_t>& row
 }
 
 std::vector<int32_t> CudaBackend::sample(const Tensor& logits, const std::vector<SampleSpec>& specs) {
+  NB_CHECK(impl_->n_sampled == 0, "sample: queued samples not waited for");
+  sample_async(logits, specs);
+  return wait_sampled();
+}
+
+void CudaBackend::sample_async(const Tensor& logits, const std::vector<SampleSpec>& specs) {
   check_f32(logits, "sample");
+  Impl& I = *impl_;
   const int64_t rows = logits.dim(0), vocab = logits.dim(-1);
   NB_CHECK(static_cast<int64_t>(specs.size()) == rows, "sample: " + std::to_string(specs.size()) +
                                                            " specs for " + std::to_string(rows) + " rows");
+  NB_CHECK(I.n_sampled < Impl::kPinnedRing, "sample_async: too many samples queued");
   std::vector<cuda::DevSampleSpec> h(rows);
   for (int64_t r = 0; r < rows; ++r)
     h[r] = {specs[r].temperature, specs[r].top_p, specs[r].top_k, specs[r].min_p, specs[r].u};
   const int64_t bytes = rows * static_cast<int64_t>(sizeof(cuda::DevSampleSpec));
   Tensor d_specs = alloc(DType::kU8, {bytes});
-  Tensor d_ids = alloc(DType::kI32, {rows});
-  CUDA_CHECK(cudaMemcpyAsync(d_specs.data<uint8_t>(), h.data(), bytes, cudaMemcpyHostToDevice, impl_->stream));
+  I.upload_async(d_specs.data<uint8_t>(), h.data(), bytes);
+  // The ids go straight to last_ids unless there are more rows than it keeps.
+  const bool kept = rows <= kKeptSampledRows;
+  Tensor d_more = kept ? Tensor() : alloc(DType::kI32, {rows});
+  int32_t* d_ids = kept ? I.last_ids : d_more.data<int32_t>();
   bool greedy = false, sampled = false;
   for (const SampleSpec& sp : specs) (sp.temperature <= 0.0f || sp.top_k == 1 ? greedy : sampled) = true;
   Tensor part_v = alloc(DType::kF32, {rows, cuda::kArgmaxSplit}), part_i = alloc(DType::kI32, {rows, cuda::kArgmaxSplit});
-  const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), impl_->arrivals};  // (65535 rows a launch)
+  const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), I.arrivals};  // (65535 rows a launch)
   cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
-                      d_ids.data<int32_t>(), greedy, sampled, scratch, impl_->stream);
-  std::vector<int32_t> ids(rows);
-  CUDA_CHECK(cudaMemcpyAsync(ids.data(), d_ids.data<int32_t>(), rows * 4, cudaMemcpyDeviceToHost, impl_->stream));
-  CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
-  return ids;
+                      d_ids, greedy, sampled, scratch, I.stream);
+  if (!kept)
+    CUDA_CHECK(cudaMemcpyAsync(I.last_ids, d_ids, kKeptSampledRows * 4, cudaMemcpyDeviceToDevice, I.stream));
+  Impl::Pinned& p = I.sampled[(I.next_sampled + I.n_sampled++) % Impl::kPinnedRing];
+  CUDA_CHECK(cudaMemcpyAsync(Impl::reuse(p, rows * 4), d_ids, rows * 4, cudaMemcpyDeviceToHost, I.stream));
+  CUDA_CHECK(cudaEventRecord(p.done, I.stream));
+}
+
+std::vector<int32_t> CudaBackend::wait_sampled() {
+  Impl& I = *impl_;
+  NB_CHECK(I.n_sampled > 0, "wait_sampled: nothing queued");
+  Impl::Pinned& p = I.sampled[I.next_sampled];
+  I.next_sampled = (I.next_sampled + 1) % Impl::kPinnedRing;
+  --I.n_sampled;
+  CUDA_CHECK(cudaEventSynchronize(p.done));
+  const int32_t* ids = static_cast<const int32_t*>(p.host);
+  return std::vector<int32_t>(ids, ids + p.bytes / 4);
 }
 
 // ---- WeightFactory -------------------------------------------------------------------------------

@@ -107,6 +107,10 @@ class CudaBackend final : public Backend, public WeightFactory {
   void add(Tensor& x, const Tensor& y) override;
   Tensor gather_rows(const Tensor& x, const std::vector<int32_t>& rows) override;
   std::vector<int32_t> sample(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
+  // The ids stay on the device for the next step's embedding (Impl::last_ids); their host copy lands in a
+  // pinned buffer, read after its event.
+  void sample_async(const Tensor& logits, const std::vector<SampleSpec>& specs) override;
+  std::vector<int32_t> wait_sampled() override;
 
   // moe_experts in its two launches, for the kernel benchmark: act [n_tokens * top_k, d_expert] after
   // fc1 + GLU; y [n_tokens, d_model] after fc2 and the weighted combine. moe_fc2's routes must be complete
