@@ -118,22 +118,30 @@ int cmd_run(const RunArgs& args) {
     seq.n_past += seq.n_new;
     next.erase(next.begin(), next.begin() + chunk);
   }
-  for (int step = 0; step < args.n_predict; ++step) {
+  // Each step is queued before the previous step's id is read, its token that id on the backend
+  // (Model::enqueue_sampled, as the server's async scheduling): the GPU does not wait for the host between
+  // steps. A stop id ends the loop; the step already queued behind it is read and dropped.
+  auto enqueue = [&](std::vector<int32_t> tokens) {
     Batch batch;
-    seq.n_new = static_cast<int32_t>(next.size());
-    batch.tokens = next;
+    seq.n_new = static_cast<int32_t>(tokens.size());
+    batch.tokens = std::move(tokens);
     batch.seqs = {seq};
     // Sampled on the backend: only the id comes back (run has no penalties or logprobs).
-    auto ids = s.model->forward_sampled(batch, *cache, {sampler.next()});
-    if (!ids.ok()) {
-      std::fprintf(stderr, "\nnibble: error: %s\n", ids.status().message().c_str());
-      return 1;
+    const Status st = s.model->enqueue_sampled(batch, *cache, {sampler.next()});
+    if (st.ok()) seq.n_past += seq.n_new;
+    if (!st.ok()) std::fprintf(stderr, "\nnibble: error: %s\n", st.message().c_str());
+    return st.ok();
+  };
+  if (args.n_predict > 0 && !enqueue(next)) return 1;
+  for (int step = 0; step < args.n_predict; ++step) {
+    const bool more = step + 1 < args.n_predict;
+    if (more && !enqueue({-1})) return 1;  // (-1: the id the step before samples)
+    const int32_t id = s.model->wait_sampled()[0];
+    if (!args.ignore_eos && stop.count(id)) {
+      if (more) s.model->wait_sampled();
+      break;
     }
-    seq.n_past += seq.n_new;
-    const int32_t id = ids.value()[0];
-    if (!args.ignore_eos && stop.count(id)) break;
     generated.push_back(id);
-    next = {id};
     if (args.print_tokens) {
       std::printf(generated.size() == 1 ? "%d" : " %d", id);
     } else {

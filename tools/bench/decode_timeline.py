@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes, from a kernel trace of nibble_e2e_bench (graph nodes included).
 
-Usage: decode_timeline.py TRACE.csv [--last-kernel sample_kernel] [--skip 16]
+Usage: decode_timeline.py TRACE.csv [--last-kernel NAME,NAME] [--skip 16]   (default: sample_kernel,argmax_split_kernel)
   TRACE.csv: what tools/bench/kernel_trace.cc writes (scripts/gpu-check.sh bench `profile` runs both), or
   `nsys stats --report cuda_gpu_trace --format csv` of a run under `nsys profile --cuda-graph-trace=node`.
 
@@ -30,7 +30,7 @@ def main() -> int:
     if not args:
         print(__doc__)
         return 2
-    path, last, skip = args[0], "sample_kernel", 16
+    path, last, skip = args[0], "sample_kernel,argmax_split_kernel", 16
     if "--last-kernel" in args:
         last = args[args.index("--last-kernel") + 1]
     if "--skip" in args:
@@ -48,7 +48,7 @@ def main() -> int:
     steps, cur = [], []
     for k in rows:
         cur.append(k)
-        if last in k[2]:
+        if any(n in k[2] for n in last.split(",")):
             steps.append(cur)
             cur = []
     if not steps:
