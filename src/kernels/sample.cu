@@ -108,10 +108,14 @@ __device__ __forceinline__ void better(float& best, int& best_i, float v, int i)
 constexpr int kSplitThreads = 256;
 __global__ void __launch_bounds__(kSplitThreads) argmax_split_kernel(const float* __restrict__ logits, int vocab,
                                                                      const DevSampleSpec* __restrict__ specs,
-                                                                     int32_t* __restrict__ ids, ArgmaxScratch sc) {
-  pdl_wait();
+                                                                     int32_t* __restrict__ ids,
+                                                                     int32_t* __restrict__ host_ids, ArgmaxScratch sc) {
   const int64_t row = blockIdx.y;
-  if (!is_greedy(specs[row])) return;  // (sample_kernel's row)
+  // The spec before the wait: the host wrote it before the launch (it may be mapped host memory: a PCIe round
+  // trip that overlaps the previous kernel; from device memory a copy that precedes this kernel in the stream).
+  const bool greedy = is_greedy(specs[row]);
+  pdl_wait();
+  if (!greedy) return;  // (sample_kernel's row)
   const float* l = logits + row * vocab;
   const int chunk = (vocab + kArgmaxSplit - 1) / kArgmaxSplit, begin = blockIdx.x * chunk;
   const int end = min(vocab, begin + chunk);
@@ -145,17 +149,18 @@ __global__ void __launch_bounds__(kSplitThreads) argmax_split_kernel(const float
   for (int b = 1; b < kArgmaxSplit; ++b)
     better(best, best_i, __ldcg(sc.value + row * kArgmaxSplit + b), __ldcg(sc.id + row * kArgmaxSplit + b));
   ids[row] = best_i < vocab ? best_i : 0;  // (an empty slice reports vocab; a row has >= 1 element)
+  if (host_ids) host_ids[row] = ids[row];
   sc.count[row] = 0;
 }
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restrict__ logits, int vocab,
                                                           const DevSampleSpec* __restrict__ specs,
-                                                          int32_t* __restrict__ ids) {
+                                                          int32_t* __restrict__ ids, int32_t* __restrict__ host_ids) {
+  const int64_t row = blockIdx.x;
+  const DevSampleSpec s = specs[row];  // (before the wait, as argmax_split_kernel)
   pdl_wait();  // inputs come from the previous kernel on the stream (see launch_pdl)
   __shared__ Shared sh;
-  const int64_t row = blockIdx.x;
   const float* l = logits + row * vocab;
-  const DevSampleSpec s = specs[row];
   if (is_greedy(s)) return;  // (argmax_split_kernel's row)
 
   // Argmax, lowest id on ties (a thread's ids rise, so strict > keeps its first; merges prefer lower ids).
@@ -306,13 +311,16 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     sh.result = last;  // one thread at most: the ranges do not overlap
   }
   __syncthreads();
-  if (threadIdx.x == 0) ids[row] = sh.result >= 0 ? sh.result : best_i;  // rounding past the end: the top token
+  if (threadIdx.x == 0) {
+    ids[row] = sh.result >= 0 ? sh.result : best_i;  // rounding past the end: the top token
+    if (host_ids) host_ids[row] = ids[row];
+  }
 }
 
 }  // namespace
 
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
-                   bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s) {
+                   int32_t* host_ids, bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s) {
   NB_CHECK(rows >= 1 && vocab >= 1 && vocab < (int64_t{1} << 31), "sample: shapes");
   // (Rows in launches of at most 65535, the grid's y limit; each launch's counters are back at zero before the
   // next one's blocks pass their pdl_wait.)
@@ -320,10 +328,11 @@ void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSa
     const int64_t n = std::min<int64_t>(65535, rows - r0);
     const ArgmaxScratch sc{scratch.value + r0 * kArgmaxSplit, scratch.id + r0 * kArgmaxSplit, scratch.count};
     launch_pdl(argmax_split_kernel, dim3(kArgmaxSplit, static_cast<unsigned>(n)), dim3(kSplitThreads), 0, s,
-               logits + r0 * vocab, static_cast<int>(vocab), specs + r0, ids + r0, sc);
+               logits + r0 * vocab, static_cast<int>(vocab), specs + r0, ids + r0, host_ids ? host_ids + r0 : nullptr, sc);
   }
   if (sampled)
-    launch_pdl(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, s, logits, static_cast<int>(vocab), specs, ids);
+    launch_pdl(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, s, logits, static_cast<int>(vocab), specs, ids,
+               host_ids);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -27,10 +27,12 @@ struct ArgmaxScratch {
   uint32_t* count;  // [min(rows, 65535)], zero before the launch; the merging block zeroes it again
 };
 
-// logits [rows, vocab] fp32; specs [rows] (device); ids [rows] (device). greedy / sampled: whether any row is
-// greedy (temperature <= 0 or top_k == 1) / any is not (the host knows the specs; each kernel skips the
+// logits [rows, vocab] fp32; specs [rows] (device memory, or mapped host memory the host filled before the
+// launch); ids [rows] (device); host_ids [rows] (optional, mapped host memory): the ids written there too, read
+// by the host after an event recorded behind the launch (no copy in the stream). greedy / sampled: whether any
+// row is greedy (temperature <= 0 or top_k == 1) / any is not (the host knows the specs; each kernel skips the
 // other's rows).
 void launch_sample(const float* logits, int64_t rows, int64_t vocab, const DevSampleSpec* specs, int32_t* ids,
-                   bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s);
+                   int32_t* host_ids, bool greedy, bool sampled, const ArgmaxScratch& scratch, cudaStream_t s);
 
 }  // namespace nb::cuda

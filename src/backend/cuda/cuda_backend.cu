@@ -181,12 +181,15 @@ struct CudaBackend::Impl {
   // The ids of the last sample_async, [Backend::kKeptSampledRows]: a step's token -1 - j reads row j (the
   // embedding kernel, in stream order after the sampling that wrote them).
   int32_t* last_ids = nullptr;
-  // Pinned host memory with the event after the stream's last use of it: the queued samples' ids (device
-  // to host) and the staging of small host-to-device copies (a copy from pageable memory may wait for
-  // the stream, which would make the host wait for the step it is queueing behind).
+  // Pinned (and mapped) host memory with the event after the stream's last use of it: the staging of small
+  // host-to-device copies (a copy from pageable memory may wait for the stream, which would make the host
+  // wait for the step it is queueing behind), and per queued sample its specs and ids, which the sampling
+  // kernels read and write in place (no copy between two decode steps in the stream).
   struct Pinned {
     void* host = nullptr;
+    void* dev = nullptr;  // the same memory as the device addresses it
     size_t capacity = 0, bytes = 0;
+    int64_t rows = 0;  // (sampled: the ids' count)
     cudaEvent_t done = nullptr;
   };
   static constexpr int kPinnedRing = 8;
@@ -200,7 +203,8 @@ struct CudaBackend::Impl {
     if (p.capacity < bytes) {
       if (p.host) CUDA_CHECK(cudaFreeHost(p.host));
       p.capacity = std::max<size_t>(bytes, 4096);
-      CUDA_CHECK(cudaHostAlloc(&p.host, p.capacity, cudaHostAllocDefault));
+      CUDA_CHECK(cudaHostAlloc(&p.host, p.capacity, cudaHostAllocMapped));
+      CUDA_CHECK(cudaHostGetDevicePointer(&p.dev, p.host, 0));
     }
     p.bytes = bytes;
     return p.host;
@@ -1035,12 +1039,13 @@ void CudaBackend::sample_async(const Tensor& logits, const std::vector<SampleSpe
   NB_CHECK(static_cast<int64_t>(specs.size()) == rows, "sample: " + std::to_string(specs.size()) +
                                                            " specs for " + std::to_string(rows) + " rows");
   NB_CHECK(I.n_sampled < Impl::kPinnedRing, "sample_async: too many samples queued");
-  std::vector<cuda::DevSampleSpec> h(rows);
+  // The slot: the specs [rows], then room for the ids [rows] (host_ids: in place, see launch_sample).
+  const size_t spec_bytes = (rows * sizeof(cuda::DevSampleSpec) + 15) / 16 * 16;
+  Impl::Pinned& p = I.sampled[(I.next_sampled + I.n_sampled++) % Impl::kPinnedRing];
+  auto* h = static_cast<cuda::DevSampleSpec*>(Impl::reuse(p, spec_bytes + rows * 4));
+  p.rows = rows;
   for (int64_t r = 0; r < rows; ++r)
     h[r] = {specs[r].temperature, specs[r].top_p, specs[r].top_k, specs[r].min_p, specs[r].u};
-  const int64_t bytes = rows * static_cast<int64_t>(sizeof(cuda::DevSampleSpec));
-  Tensor d_specs = alloc(DType::kU8, {bytes});
-  I.upload_async(d_specs.data<uint8_t>(), h.data(), bytes);
   // The ids go straight to last_ids unless there are more rows than it keeps.
   const bool kept = rows <= kKeptSampledRows;
   Tensor d_more = kept ? Tensor() : alloc(DType::kI32, {rows});
@@ -1049,12 +1054,11 @@ void CudaBackend::sample_async(const Tensor& logits, const std::vector<SampleSpe
   for (const SampleSpec& sp : specs) (sp.temperature <= 0.0f || sp.top_k == 1 ? greedy : sampled) = true;
   Tensor part_v = alloc(DType::kF32, {rows, cuda::kArgmaxSplit}), part_i = alloc(DType::kI32, {rows, cuda::kArgmaxSplit});
   const cuda::ArgmaxScratch scratch{part_v.data<float>(), part_i.data<int32_t>(), I.arrivals};  // (65535 rows a launch)
-  cuda::launch_sample(logits.data<float>(), rows, vocab, reinterpret_cast<const cuda::DevSampleSpec*>(d_specs.data<uint8_t>()),
-                      d_ids, greedy, sampled, scratch, I.stream);
+  cuda::launch_sample(logits.data<float>(), rows, vocab, static_cast<const cuda::DevSampleSpec*>(p.dev), d_ids,
+                      reinterpret_cast<int32_t*>(static_cast<uint8_t*>(p.dev) + spec_bytes), greedy, sampled, scratch,
+                      I.stream);
   if (!kept)
     CUDA_CHECK(cudaMemcpyAsync(I.last_ids, d_ids, kKeptSampledRows * 4, cudaMemcpyDeviceToDevice, I.stream));
-  Impl::Pinned& p = I.sampled[(I.next_sampled + I.n_sampled++) % Impl::kPinnedRing];
-  CUDA_CHECK(cudaMemcpyAsync(Impl::reuse(p, rows * 4), d_ids, rows * 4, cudaMemcpyDeviceToHost, I.stream));
   CUDA_CHECK(cudaEventRecord(p.done, I.stream));
 }
 
@@ -1065,8 +1069,9 @@ std::vector<int32_t> CudaBackend::wait_sampled() {
   I.next_sampled = (I.next_sampled + 1) % Impl::kPinnedRing;
   --I.n_sampled;
   CUDA_CHECK(cudaEventSynchronize(p.done));
-  const int32_t* ids = static_cast<const int32_t*>(p.host);
-  return std::vector<int32_t>(ids, ids + p.bytes / 4);
+  const size_t rows = p.rows, spec_bytes = p.bytes - rows * 4;  // (see sample_async: specs, then ids)
+  const int32_t* ids = reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(p.host) + spec_bytes);
+  return std::vector<int32_t>(ids, ids + rows);
 }
 
 // ---- WeightFactory -------------------------------------------------------------------------------
