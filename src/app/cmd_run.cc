@@ -128,9 +128,12 @@ int cmd_run(const RunArgs& args) {
     batch.seqs = {seq};
     // Sampled on the backend: only the id comes back (run has no penalties or logprobs).
     const Status st = s.model->enqueue_sampled(batch, *cache, {sampler.next()});
-    if (st.ok()) seq.n_past += seq.n_new;
-    if (!st.ok()) std::fprintf(stderr, "\nnibble: error: %s\n", st.message().c_str());
-    return st.ok();
+    if (!st.ok()) {
+      std::fprintf(stderr, "\nnibble: error: %s\n", st.message().c_str());
+      return false;
+    }
+    seq.n_past += seq.n_new;
+    return true;
   };
   if (args.n_predict > 0 && !enqueue(next)) return 1;
   for (int step = 0; step < args.n_predict; ++step) {

@@ -201,8 +201,6 @@ Result<std::vector<float>> Model::forward(const Batch& batch, KvCache& cache) {
 
 Result<std::vector<int32_t>> Model::forward_sampled(const Batch& batch, KvCache& cache,
                                                     const std::vector<SampleSpec>& specs) {
-  if (cache.k.size() != static_cast<size_t>(config_.n_layers))
-    return error("KV cache made for another model");
   if (n_queued_ > 0) return error("forward_sampled: " + std::to_string(n_queued_) + " queued steps not waited for");
   NB_RETURN_IF_ERROR(enqueue_sampled(batch, cache, specs));
   return wait_sampled();

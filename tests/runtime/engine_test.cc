@@ -182,8 +182,8 @@ TEST(Engine, AsyncSchedulingEmitsWhatTheSyncLoopEmits) {
     return out;
   };
   for (const EngineConfig& c : {config(64, 128, 2048, true), config(64, 128, 16, true), config(8, 128, 64, false)}) {
-    int64_t preempted_sync = 0, preempted_async = 0;
-    const std::vector<Out> sync = outputs(c, false, &preempted_sync);
+    int64_t preempted_async = 0;
+    const std::vector<Out> sync = outputs(c, false, nullptr);
     EXPECT_EQ(sync[0].finish, FinishReason::kStop);
     EXPECT_LE(sync[0].ids.size(), 6u);
     EXPECT_TRUE(sync[3].finish != FinishReason::kStop || sync[3].ids.size() >= 4u);  // min_tokens
