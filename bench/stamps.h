@@ -1,6 +1,7 @@
 // Per-block timestamps of the one-token stream kernels (kernels/gemv.cuh: stream_stamps), printed by the
 // benchmarks in measurement builds (-DNIBBLE_STREAM_STAMPS=1); nothing in other builds. For each kernel kind:
-// its blocks' entry, end of wait, routes mapped (MoE), x staged, first warp's first unit done, last warp out
+// its blocks' entry, end of wait, routes mapped (MoE), x maxima taken, x staged, first weights in, first warp's
+// first unit done, last warp out
 // of the walk, as min / median / max microseconds
 // after t0, the earliest entry of any kind (so consecutive kernels line up on one axis).
 #pragma once
@@ -24,7 +25,7 @@ inline void print_stream_stamps(const char* label) {
     for (int b = 0; b < kStampBlocks; ++b)
       if (at(k, b, 0)) t0 = std::min(t0, at(k, b, 0));
   static const char* kinds[kStampKinds] = {"linear", "qkv head", "fc1", "fc2"};
-  static const char* points[kStampPoints] = {"entry", "waited", "routed", "staged", "unit1", "walked"};
+  static const char* points[kStampPoints] = {"entry", "waited", "routed", "maxed", "staged", "loaded", "unit1", "walked"};
   for (int k = 0; k < kStampKinds; ++k) {
     std::printf("stamps %s %-8s:", label, kinds[k]);
     for (int p = 0; p < kStampPoints; ++p) {

@@ -137,12 +137,13 @@ bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const f
 
 // Measurement builds only (-DNIBBLE_STREAM_STAMPS=1 on gemv_fp4_stream.cu, e.g. scripts/gpu-ab.sh
 // NIBBLE_AB_VARIANTS): the one-token stream kernels record, per block, %globaltimer at entry, after their
-// wait for the previous kernel, once x is staged, and when the block's last warp leaves its walk, the newest
+// wait for the previous kernel, once its x maxima are taken (thread 0's warp), once x is staged, once thread 0's
+// first weights have arrived (a wait only this build has), and when the block's last warp leaves its walk, the newest
 // launch of each kernel kind overwriting the last (linear: only weights of fewer than 65536 rows, so the
 // lm_head does not overwrite the last layer's O); the MoE kernels also when their routes are mapped, and
 // every kind when the block's first warp has finished its first unit. stream_stamps clears them (clear) or
 // copies them out as [kStampKinds][kStampBlocks][kStampPoints] nanoseconds (0: none); false in other builds.
-inline constexpr int kStampKinds = 4, kStampBlocks = 160, kStampPoints = 6;  // linear, qkv head, fc1, fc2
+inline constexpr int kStampKinds = 4, kStampBlocks = 160, kStampPoints = 8;  // linear, qkv head, fc1, fc2
 bool stream_stamps(bool clear, std::vector<uint64_t>* out);
 
 }  // namespace nb::cuda

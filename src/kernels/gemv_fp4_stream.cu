@@ -76,8 +76,11 @@ constexpr int kMaxSmem = 96 * 1024;
 #ifndef NIBBLE_STREAM_STAMPS
 #define NIBBLE_STREAM_STAMPS 0
 #endif
+#ifndef NIBBLE_STAGE_PROBE
+#define NIBBLE_STAGE_PROBE 0
+#endif
 enum StampKind { kStampLinear, kStampQkv, kStampFc1, kStampFc2 };
-enum StampPoint { kAtEntry, kAtWaited, kAtRouted, kAtStaged, kAtUnit1, kAtWalked };
+enum StampPoint { kAtEntry, kAtWaited, kAtRouted, kAtMaxed, kAtStaged, kAtLoaded, kAtUnit1, kAtWalked };
 #if NIBBLE_STREAM_STAMPS
 __device__ unsigned long long g_stamps[kStampKinds][kStampBlocks][kStampPoints];
 #endif
@@ -93,6 +96,19 @@ __device__ __forceinline__ void stamp([[maybe_unused]] StampKind kind, [[maybe_u
   } else if (threadIdx.x == 0) {
     g_stamps[kind][blockIdx.x][point] = t;
   }
+#endif
+}
+// stamp() once `dep` (a register of the thread's first weight load) has arrived: kAtLoaded, whether the first
+// unit's weights were in by the time x was staged. The wait this forces is the measurement's own cost.
+__device__ __forceinline__ void stamp_after([[maybe_unused]] StampKind kind, [[maybe_unused]] StampPoint point,
+                                            [[maybe_unused]] uint32_t dep) {
+#if NIBBLE_STREAM_STAMPS
+  if (blockIdx.x >= kStampBlocks || threadIdx.x != 0) return;
+  uint32_t bump;
+  asm volatile("{ .reg .pred p; setp.eq.u32 p, %1, 0x7fffffff; selp.u32 %0, 1, 0, p; }" : "=r"(bump) : "r"(dep));
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  g_stamps[kind][blockIdx.x][point] = t + bump;
 #endif
 }
 
@@ -286,12 +302,55 @@ __device__ __forceinline__ Rows lane_rows(const DevPart& pa, int ra, const DevPa
   return r;
 }
 
+// Weight loads that leave the L2 to everything else: each weight byte is read once per token, and at the
+// default priority the ~2.7 GB a token streams evicted what the step reads again (the activations, the next
+// kernels' code, the weights FC2 prefetches for the next layer). NIBBLE_STREAM_EVICT_FIRST=0 (a compile
+// definition, for measurements) loads them at the default priority.
+#ifndef NIBBLE_STREAM_EVICT_FIRST
+#define NIBBLE_STREAM_EVICT_FIRST 1
+#endif
+__device__ __forceinline__ uint64_t stream_policy() {
+  uint64_t p = 0;
+#if NIBBLE_STREAM_EVICT_FIRST
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+__device__ __forceinline__ uint4 ld_stream16(const void* a, [[maybe_unused]] uint64_t pol) {
+#if NIBBLE_STREAM_EVICT_FIRST
+  uint4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(a), "l"(pol));
+  return v;
+#else
+  return __ldg(static_cast<const uint4*>(a));
+#endif
+}
+template <int kBytes>  // 1 or 2
+__device__ __forceinline__ uint32_t ld_stream_scale(const uint8_t* a, [[maybe_unused]] uint64_t pol) {
+#if NIBBLE_STREAM_EVICT_FIRST
+  uint32_t v;
+  if constexpr (kBytes == 1) {
+    asm("ld.global.nc.L2::cache_hint.u8 %0, [%1], %2;" : "=r"(v) : "l"(a), "l"(pol));
+  } else {
+    asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=r"(v) : "l"(a), "l"(pol));
+  }
+  return v;
+#else
+  if constexpr (kBytes == 1) return __ldg(a);
+  return __ldg(reinterpret_cast<const uint16_t*>(a));
+#endif
+}
+
 // A unit's NC items: every chunk of rows r0 and r1. Lanes past the end of the last chunk get zero codes
 // (their staged activations are zeros too).
 template <WKind K, int NC>
 __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) {
   const int lane = threadIdx.x & 31;
   constexpr int cs = kChunk / Fmt<K>::kBs;  // scale bytes of a row per chunk
+  constexpr int sb = K == WKind::kMXFP4 ? 1 : 2;  // NVFP4: two adjacent bytes, 2-byte aligned (checked at launch)
+  const uint64_t pol = stream_policy();
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     if (c == NC - 1 && c * kChunk + lane * 32 >= k) {
@@ -299,15 +358,10 @@ __device__ __forceinline__ void load_unit(const Rows& r, int k, Item (&it)[NC]) 
       it[c].s0 = it[c].s1 = 127u;
       continue;
     }
-    it[c].a = __ldg(reinterpret_cast<const uint4*>(r.codes[0] + c * (kChunk / 2)));
-    it[c].b = __ldg(reinterpret_cast<const uint4*>(r.codes[1] + c * (kChunk / 2)));
-    if constexpr (K == WKind::kMXFP4) {
-      it[c].s0 = __ldg(r.scales[0] + c * cs);
-      it[c].s1 = __ldg(r.scales[1] + c * cs);
-    } else {  // two adjacent bytes; the scale rows are 2-byte aligned (checked at launch)
-      it[c].s0 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[0] + c * cs));
-      it[c].s1 = __ldg(reinterpret_cast<const uint16_t*>(r.scales[1] + c * cs));
-    }
+    it[c].a = ld_stream16(r.codes[0] + c * (kChunk / 2), pol);
+    it[c].b = ld_stream16(r.codes[1] + c * (kChunk / 2), pol);
+    it[c].s0 = ld_stream_scale<sb>(r.scales[0] + c * cs, pol);
+    it[c].s1 = ld_stream_scale<sb>(r.scales[1] + c * cs, pol);
   }
 }
 
@@ -506,11 +560,18 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
+  Held h;
+#if NIBBLE_STAGE_PROBE  // measurement builds only: x read before the previous kernel has written it (wrong
+  stage_issue(x, w.k, 1, w.k, h);  // numbers; times the staging without its load's latency)
+#endif
   pdl_wait();
   if (stamped) stamp(kStampLinear, kAtWaited);
-  Held h;
+#if !NIBBLE_STAGE_PROBE
   stage_issue(x, w.k, 1, w.k, h);
+#endif
   stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  if (stamped) stamp(kStampLinear, kAtRouted);  // (no routes here: maxed - routed is one stamp's own cost)
+  if (stamped) stamp(kStampLinear, kAtMaxed);
   __syncthreads();
   stage_scales(1, ss);
   __syncthreads();
@@ -518,6 +579,7 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   __syncthreads();
   op.unscale = ss.unscale[0];
   if (stamped) stamp(kStampLinear, kAtStaged);
+  if (stamped) stamp_after(kStampLinear, kAtLoaded, cur[0].a.x);
   if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K>, kOneRound>(op, w.k, planes, first, cur);
   if (stamped) stamp(kStampLinear, kAtWalked);
 }
@@ -713,6 +775,7 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarps * 32 : kBlockThread
   stage_norm(a, w.k, nwv, ss, ns, planes);
   op.unscale = ss.unscale[0];
   stamp(kStampQkv, kAtStaged);
+  if (first.p < op.n_pairs) stamp_after(kStampQkv, kAtLoaded, cur[0].a.x);
   if (first.p < op.n_pairs) walk<K, NC, false, QkvOp<K>, kOneRound>(op, w.k, planes, first, cur);
   stamp(kStampQkv, kAtWalked);
 }
@@ -848,6 +911,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // start) instead of x (L2); after it, the barriers and the planes overlap the weights' latency (tg128
   // +1 %, eleventh session).
   stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  stamp(kStampFc1, kAtMaxed);
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
   __syncthreads();
   stage_scales(1, ss);
@@ -856,6 +920,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   op.unscale = ss.unscale[0];
   stamp(kStampFc1, kAtStaged);
+  stamp_after(kStampFc1, kAtLoaded, cur[0].a.x);
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, tab.d_model, planes, first, cur);
   stamp(kStampFc1, kAtWalked);
 }
@@ -935,11 +1000,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // half idle: after our first weights, so that those go out first; in place of a prefetch launch, whose
   // boundary sat on the step's critical path (~1 us per layer).
   issue_l2_prefetch(prefetch, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  Held h;
+#if NIBBLE_STAGE_PROBE  // (as in stream_linear_kernel: a measurement of the staging without act's load)
+  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
+#endif
   pdl_wait();  // act comes from the previous kernel
   stamp(kStampFc2, kAtWaited);
-  Held h;
+#if !NIBBLE_STAGE_PROBE
   stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
+#endif
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
+  stamp(kStampFc2, kAtMaxed);
   // (Loaded into registers before the wait, as before the eleventh session, the weights shared the act
   // loads' scoreboard and the max waited for them: tg128 +1.5 % this way.)
   load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
@@ -949,6 +1020,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, kSplit, planes);
   __syncthreads();
   stamp(kStampFc2, kAtStaged);
+  stamp_after(kStampFc2, kAtLoaded, cur[0].a.x);
   walk<K, NC, kSplit>(op, tab.d_expert, planes, first, cur);
   stamp(kStampFc2, kAtWalked);
 }
