@@ -76,9 +76,6 @@ constexpr int kMaxSmem = 96 * 1024;
 #ifndef NIBBLE_STREAM_STAMPS
 #define NIBBLE_STREAM_STAMPS 0
 #endif
-#ifndef NIBBLE_STAGE_PROBE
-#define NIBBLE_STAGE_PROBE 0
-#endif
 enum StampKind { kStampLinear, kStampQkv, kStampFc1, kStampFc2 };
 enum StampPoint { kAtEntry, kAtWaited, kAtRouted, kAtMaxed, kAtStaged, kAtLoaded, kAtUnit1, kAtWalked };
 #if NIBBLE_STREAM_STAMPS
@@ -121,16 +118,21 @@ __host__ __device__ constexpr int row_words(int k) {
 }  // uint4 per staged row
 __host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
 
-// Staging, in phases so that its global-memory round trip overlaps other work: stage_issue loads this
-// thread's first kHold octets (8 elements) of the rows into registers; stage_max folds their max |x| (and
+// Staging, in phases so that its global-memory round trip overlaps other work: stage_index (before the
+// kernel's wait) places this thread's first kHold octets (8 elements) of the rows, stage_issue loads them into
+// registers; stage_max folds their max |x| (and
 // that of any octets beyond, which stage_store reads again) into the block's per-row maxima (float bits,
 // atomicMax: all non-negative; zeroed by stage_zero before a barrier); after a barrier stage_scales turns the
 // maxima into power-of-two prescales (threads < rows); after another, stage_store writes the hi and lo
 // planes; a final barrier before the planes are read. A warp's 32 consecutive octets share one row (rows
 // hold a multiple of 128 octets), so the maxima reduce per warp first.
 constexpr int kHold = 4;  // gpt-oss FC2 (4 rows of 2880) needs 3 per thread of 512
+// The held octets' places (stage_index, before the kernel's wait: integer divisions, none of which depends
+// on x; after the wait each launch runs its staging on cold instruction caches, the fewer instructions
+// there the better) and values.
 struct Held {
   float v[kHold][8];
+  int row[kHold], elem[kHold], word[kHold];  // octet_at's; row -1: past the rows
 };
 struct StageShared {
   unsigned row_max[kMaxRows];
@@ -163,15 +165,19 @@ __device__ __forceinline__ float octet_max(const float (&v)[8]) {
 __device__ __forceinline__ void stage_zero(StageShared& ss) {
   if (threadIdx.x < kMaxRows) ss.row_max[threadIdx.x] = 0u;
 }
-__device__ __forceinline__ void stage_issue(const float* __restrict__ x, int64_t ld, int rows, int k, Held& h) {
+__device__ __forceinline__ void stage_index(int rows, int k, Held& h) {
   const int total = rows * n_chunks(k) * kChunk / 8;
 #pragma unroll
   for (int j = 0; j < kHold; ++j) {
     const int f = threadIdx.x + j * blockDim.x;
-    int i, e, w;
-    octet_at(f, k, i, e, w);
-    if (f < total) load_octet(x, ld, i, e, k, h.v[j]);
+    octet_at(f, k, h.row[j], h.elem[j], h.word[j]);
+    if (f >= total) h.row[j] = -1;
   }
+}
+__device__ __forceinline__ void stage_issue(const float* __restrict__ x, int64_t ld, int k, Held& h) {
+#pragma unroll
+  for (int j = 0; j < kHold; ++j)
+    if (h.row[j] >= 0) load_octet(x, ld, h.row[j], h.elem[j], k, h.v[j]);
 }
 __device__ void stage_max(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h, StageShared& ss) {
   const int total = rows * n_chunks(k) * kChunk / 8, lane = threadIdx.x & 31;
@@ -180,12 +186,8 @@ __device__ void stage_max(const float* __restrict__ x, int64_t ld, int rows, int
     if (lane == 0) atomicMax(&ss.row_max[i], __float_as_uint(m));
   };
 #pragma unroll
-  for (int j = 0; j < kHold; ++j) {
-    const int f = threadIdx.x + j * blockDim.x;
-    int i, e, w;
-    octet_at(f, k, i, e, w);
-    if (f < total) fold(i, octet_max(h.v[j]));
-  }
+  for (int j = 0; j < kHold; ++j)
+    if (h.row[j] >= 0) fold(h.row[j], octet_max(h.v[j]));
   for (int f = threadIdx.x + kHold * blockDim.x; f < total; f += blockDim.x) {
     int i, e, w;
     octet_at(f, k, i, e, w);
@@ -216,13 +218,10 @@ __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, i
   };
 #pragma unroll
   for (int j = 0; j < kHold; ++j) {
-    const int f = threadIdx.x + j * blockDim.x;
-    int i, e, w;
-    octet_at(f, k, i, e, w);
     float v[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) v[q] = h.v[j][q];
-    if (f < total) store(i, w, v);
+    if (h.row[j] >= 0) store(h.row[j], h.word[j], v);
   }
   for (int f = threadIdx.x + kHold * blockDim.x; f < total; f += blockDim.x) {
     int i, e, w;
@@ -561,14 +560,10 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   Held h;
-#if NIBBLE_STAGE_PROBE  // measurement builds only: x read before the previous kernel has written it (wrong
-  stage_issue(x, w.k, 1, w.k, h);  // numbers; times the staging without its load's latency)
-#endif
+  stage_index(1, w.k, h);
   pdl_wait();
   if (stamped) stamp(kStampLinear, kAtWaited);
-#if !NIBBLE_STAGE_PROBE
-  stage_issue(x, w.k, 1, w.k, h);
-#endif
+  stage_issue(x, w.k, w.k, h);
   stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
   if (stamped) stamp(kStampLinear, kAtRouted);  // (no routes here: maxed - routed is one stamp's own cost)
   if (stamped) stamp(kStampLinear, kAtMaxed);
@@ -892,11 +887,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // its wait (launch_moe_fc2's contract): routed ones are complete once we pass our wait; deferred ones
   // once block 0 has written and fenced them in map_experts, so the trigger follows that.
   const bool deferred = routes.lg.logits != nullptr;
+  Held h;
+  stage_index(1, tab.d_model, h);
   pdl_wait_only();
   stamp(kStampFc1, kAtWaited);
   if (!deferred) pdl_launch();
-  Held h;
-  stage_issue(x, tab.d_model, 1, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
+  stage_issue(x, tab.d_model, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
   map_experts(table, routes, top_k, true, maps, nullptr);
   stamp(kStampFc1, kAtRouted);
   if (deferred) pdl_launch();
@@ -1001,14 +997,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // boundary sat on the step's critical path (~1 us per layer).
   issue_l2_prefetch(prefetch, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   Held h;
-#if NIBBLE_STAGE_PROBE  // (as in stream_linear_kernel: a measurement of the staging without act's load)
-  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
-#endif
+  stage_index(top_k, tab.d_expert, h);
   pdl_wait();  // act comes from the previous kernel
   stamp(kStampFc2, kAtWaited);
-#if !NIBBLE_STAGE_PROBE
-  stage_issue(act, tab.d_expert, top_k, tab.d_expert, h);
-#endif
+  stage_issue(act, tab.d_expert, tab.d_expert, h);
   stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
   stamp(kStampFc2, kAtMaxed);
   // (Loaded into registers before the wait, as before the eleventh session, the weights shared the act
