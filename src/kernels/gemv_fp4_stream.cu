@@ -119,13 +119,13 @@ __host__ __device__ constexpr int row_words(int k) {
 __host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
 
 // Staging, in phases so that its global-memory round trip overlaps other work: stage_index (before the
-// kernel's wait) places this thread's first kHold octets (8 elements) of the rows, stage_issue loads them into
-// registers; stage_max folds their max |x| (and
-// that of any octets beyond, which stage_store reads again) into the block's per-row maxima (float bits,
-// atomicMax: all non-negative; zeroed by stage_zero before a barrier); after a barrier stage_scales turns the
-// maxima into power-of-two prescales (threads < rows); after another, stage_store writes the hi and lo
-// planes; a final barrier before the planes are read. A warp's 32 consecutive octets share one row (rows
-// hold a multiple of 128 octets), so the maxima reduce per warp first.
+// kernel's wait) places this thread's first kHold octets (8 elements) of the rows, stage_issue loads them
+// into registers; stage_max folds their max |x| (and that of any octets beyond, which stage_store reads
+// again) into the block's per-row maxima (float bits, atomicMax: all non-negative; zeroed by stage_zero
+// before a barrier); after a barrier stage_scales turns the maxima into power-of-two prescales (threads <
+// rows); after another, stage_store writes the hi and lo planes; a final barrier before the planes are read.
+// A warp's 32 consecutive octets share one row (rows hold a multiple of 128 octets), so the maxima reduce
+// per warp first.
 constexpr int kHold = 4;  // gpt-oss FC2 (4 rows of 2880) needs 3 per thread of 512
 // The held octets' places (stage_index, before the kernel's wait: integer divisions, none of which depends
 // on x; after the wait each launch runs its staging on cold instruction caches, the fewer instructions
