@@ -11,6 +11,8 @@
 #                            (e.g. "w20:-DNIBBLE_STREAM_WARPS_SM90=20"; commas separate several flags),
 #                            benchmarked as a side of its own
 #   NIBBLE_AB_SKIP_THIS=1    leave this tree's own build out (when a variant stands for it)
+#   NIBBLE_AB_SKIP_BASE=1    no base tree (no ab-base/ needed): this tree and its variants only, e.g. a stamps
+#                            build beside the plain one
 #   NIBBLE_AB_GEMM_ARGS      also build and run nibble_gemm_bench with these arguments (e.g. --quick)
 #   NIBBLE_AB_E2E_ARGS=-     no nibble_e2e_bench
 # Prints, per round, the base tree's rows then this tree's.
@@ -23,7 +25,8 @@ if [ "${1:-}" = "--prepare" ]; then
   exit $?
 fi
 rounds=${1:-2}
-[ -d ab-base/src ] || { echo "gpu-ab: no ab-base/ (run --prepare REV here and carry it)"; exit 2; }
+skip_base=${NIBBLE_AB_SKIP_BASE:-0}
+[ "$skip_base" = 1 ] || [ -d ab-base/src ] || { echo "gpu-ab: no ab-base/ (run --prepare REV here and carry it)"; exit 2; }
 OUT=${OUT:-/tmp/nibble-out}
 mkdir -p "$OUT"
 ROOT=$PWD/.deps/root
@@ -36,11 +39,15 @@ targets=(--target nibble_e2e_bench --target nibble_kernel_bench)
 [ -n "${NIBBLE_AB_GEMM_ARGS+x}" ] && targets+=(--target nibble_gemm_bench)
 # The base tree: this one with src/ and bench/ replaced.
 base=/tmp/ab-base-tree
-rm -rf "$base" && mkdir -p "$base"
-tar --exclude=./build-gpu --exclude=./ab-base --exclude=./.deps -cf - . | tar -xf - -C "$base"
-rm -rf "$base/src" "$base/bench" && cp -r ab-base/src ab-base/bench "$base/"
-(cd "$base" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=OFF &&
-   cmake --build b -j8 "${targets[@]}") >"$OUT/ab-base-build.log" 2>&1 &
+if [ "$skip_base" = 1 ]; then
+  true &  # (a pid for the wait below)
+else
+  rm -rf "$base" && mkdir -p "$base"
+  tar --exclude=./build-gpu --exclude=./ab-base --exclude=./.deps -cf - . | tar -xf - -C "$base"
+  rm -rf "$base/src" "$base/bench" && cp -r ab-base/src ab-base/bench "$base/"
+  (cd "$base" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DNIBBLE_CUDA_ARCHS="${arch}a" -DNIBBLE_TESTS=OFF &&
+     cmake --build b -j8 "${targets[@]}") >"$OUT/ab-base-build.log" 2>&1 &
+fi
 base_pid=$!
 # Variants: this tree again with extra CUDA flags, one build directory each, alongside.
 read -r -a variants <<<"${NIBBLE_AB_VARIANTS:-}"
@@ -78,7 +85,8 @@ else
   e2e=(--pp '' --dense-formats mxfp4 configs/gpt-oss-120b configs/gpt-oss-20b)
 fi
 for r in $(seq "$rounds"); do
-  sides=(base)
+  sides=()
+  [ "$skip_base" = 1 ] || sides+=(base)
   [ "${NIBBLE_AB_SKIP_THIS:-0}" != 1 ] && sides+=(this)
   for v in "${variants[@]}"; do sides+=("${v%%:*}"); done
   for side in "${sides[@]}"; do
