@@ -565,7 +565,6 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   if (stamped) stamp(kStampLinear, kAtWaited);
   stage_issue(x, w.k, w.k, h);
   stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
-  if (stamped) stamp(kStampLinear, kAtRouted);  // (no routes here: maxed - routed is one stamp's own cost)
   if (stamped) stamp(kStampLinear, kAtMaxed);
   __syncthreads();
   stage_scales(1, ss);
@@ -916,7 +915,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
   op.unscale = ss.unscale[0];
   stamp(kStampFc1, kAtStaged);
-  stamp_after(kStampFc1, kAtLoaded, cur[0].a.x);
+  if (first.p < op.n_pairs) stamp_after(kStampFc1, kAtLoaded, cur[0].a.x);
   if (first.p < op.n_pairs) walk<K, NC, kSplit>(op, tab.d_model, planes, first, cur);
   stamp(kStampFc1, kAtWalked);
 }
