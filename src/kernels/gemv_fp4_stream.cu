@@ -673,24 +673,31 @@ constexpr int kNormHold = (kMaxK / 8 + kBlockThreads - 1) / kBlockThreads;
 struct NormShared {
   float partial[kMaxWarps];
 };
-__device__ __forceinline__ void load_norm_weights(const float* norm_w, int k, float (&nw)[kNormHold][8]) {
+// The thread's octets' places (as stage_index, before the wait): element (k past the row: zeros) and plane
+// word, -1 past the planes.
+struct NormPlaces {
+  int at[kNormHold], word[kNormHold];
+};
+__device__ __forceinline__ void load_norm_weights(const float* norm_w, int k, float (&nw)[kNormHold][8],
+                                                  NormPlaces& pl) {
 #pragma unroll
   for (int j = 0; j < kNormHold; ++j) {
-    int i, e, word;
-    octet_at(threadIdx.x + j * blockDim.x, k, i, e, word);
-    load_octet(norm_w, 0, 0, i == 0 ? e : k, k, nw[j]);  // (past the row: zeros)
+    const int f = threadIdx.x + j * blockDim.x;
+    int i, e;
+    octet_at(f, k, i, e, pl.word[j]);
+    pl.at[j] = i == 0 ? e : k;
+    if (f >= n_chunks(k) * kChunk / 8) pl.word[j] = -1;
+    load_octet(norm_w, 0, 0, pl.at[j], k, nw[j]);
   }
 }
-__device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormHold][8], StageShared& ss,
-                           NormShared& ns, uint4* planes) {
+__device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormHold][8], const NormPlaces& pl,
+                           StageShared& ss, NormShared& ns, uint4* planes) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[kNormHold][8];
   float sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormHold; ++j) {
-    int i, e, word;
-    octet_at(threadIdx.x + j * blockDim.x, k, i, e, word);
-    const int at = i == 0 ? e : k;  // (past the row: zeros)
+    const int at = pl.at[j];
     load_octet(a.x, 0, 0, at, k, v[j]);
     if (a.y) {
       float t[8];
@@ -727,15 +734,12 @@ __device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormH
   const float p = ss.pre[0];
 #pragma unroll
   for (int j = 0; j < kNormHold; ++j) {
-    const int f = threadIdx.x + j * blockDim.x;
-    if (f >= n_chunks(k) * kChunk / 8) continue;
-    int i, e, word;
-    octet_at(f, k, i, e, word);
+    if (pl.word[j] < 0) continue;
 #pragma unroll
     for (int q = 0; q < 8; ++q) v[j][q] *= p;
     uint4 hi, lo;
     split_octet(v[j], hi, lo);
-    planes[word] = hi;
+    planes[pl.word[j]] = hi;
   }
   __syncthreads();
 }
@@ -760,13 +764,14 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarps * 32 : kBlockThread
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
   float nwv[kNormHold][8];
-  load_norm_weights(a.norm_w, w.k, nwv);
+  NormPlaces pl;
+  load_norm_weights(a.norm_w, w.k, nwv, pl);
   op.pos = __ldcg(a.b.positions);
   op.slot = static_cast<int64_t>(__ldcg(a.b.tables + static_cast<int64_t>(__ldcg(a.b.seq_of)) * a.b.table_stride +
                                         op.pos / kKvBlock)) * kKvBlock + op.pos % kKvBlock;
   pdl_wait();
   stamp(kStampQkv, kAtWaited);
-  stage_norm(a, w.k, nwv, ss, ns, planes);
+  stage_norm(a, w.k, nwv, pl, ss, ns, planes);
   op.unscale = ss.unscale[0];
   stamp(kStampQkv, kAtStaged);
   if (first.p < op.n_pairs) stamp_after(kStampQkv, kAtLoaded, cur[0].a.x);
