@@ -893,6 +893,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const bool deferred = routes.lg.logits != nullptr;
   Held h;
   stage_index(1, tab.d_model, h);
+  // The walk's constants and the first unit (divisions by d_expert) before the wait, too.
+  const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
+  const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
+  Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
+  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
+  const Unit first{p0, p0 / d, p0 % d};
   pdl_wait_only();
   stamp(kStampFc1, kAtWaited);
   if (!deferred) pdl_launch();
@@ -900,11 +906,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   map_experts(table, routes, top_k, true, maps, nullptr);
   stamp(kStampFc1, kAtRouted);
   if (deferred) pdl_launch();
-  const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
-  const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
-  Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
-  const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
-  const Unit first{p0, p0 / d, p0 % d};
   Item cur[NC];
   // x's maxima before the first weights are requested: ptxas gives the x loads and the weight loads one
   // scoreboard, so a max taken after the weight loads waited for the weights (DRAM, ~2.5 us at the kernel's
