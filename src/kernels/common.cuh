@@ -142,6 +142,10 @@ __device__ __forceinline__ int fp16_prescale_shift(float mx) {
   return max(-120, min(120, 15 - e));
 }
 
+// 2^s for |s| <= 126 (fp16_prescale_shift's range), from its bits: ldexpf's special cases are ~20
+// instructions on a path the one-token kernels run once per launch, cold, with the block waiting.
+__device__ __forceinline__ float pow2f(int s) { return __int_as_float((127 + s) << 23); }
+
 __device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) | (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }

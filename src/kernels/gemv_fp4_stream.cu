@@ -199,8 +199,8 @@ __device__ void stage_max(const float* __restrict__ x, int64_t ld, int rows, int
 __device__ __forceinline__ void stage_scales(int rows, StageShared& ss) {
   if (threadIdx.x < rows) {
     const int sh = fp16_prescale_shift(__uint_as_float(ss.row_max[threadIdx.x]));
-    ss.pre[threadIdx.x] = ldexpf(1.0f, sh);
-    ss.unscale[threadIdx.x] = ldexpf(1.0f, -sh);
+    ss.pre[threadIdx.x] = pow2f(sh);
+    ss.unscale[threadIdx.x] = pow2f(-sh);
   }
 }
 __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
