@@ -495,9 +495,10 @@ void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* b
 }
 
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x, Glu glu,
-                    float limit, float* act, bool fp16_acts, cudaStream_t s) {
+                    float limit, float* act, bool fp16_acts, cudaStream_t s, StagedActs* staged) {
   NB_CHECK(n_pairs >= 1 && t.d_expert > 0, "moe_fc1: bad shapes");
-  if (launch_moe_fc1_fp4_stream(t, ids, n_pairs, top_k, x, glu, limit, act, fp16_acts, s)) return;
+  if (launch_moe_fc1_fp4_stream(t, ids, n_pairs, top_k, x, glu, limit, act, fp16_acts, s, staged)) return;
+  if (staged) staged->act = nullptr;  // (only the one-token kernel stages)
   if (launch_moe_fc1_fp4(t, ids, n_pairs, top_k, x, glu, limit, act, s)) return;
   const int np = static_cast<int>(n_pairs);
   switch (t.kind) {
@@ -511,9 +512,10 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 }
 
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch) {
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch,
+                    const StagedActs* staged) {
   NB_CHECK(n_tokens >= 1 && t.d_model > 0, "moe_fc2: bad shapes");
-  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, fp16_acts, s, prefetch)) return;
+  if (launch_moe_fc2_fp4_stream(t, ids, weights, n_tokens, top_k, act, y, fp16_acts, s, prefetch, staged)) return;
   if (launch_moe_fc2_fp4(t, ids, weights, n_tokens, top_k, act, y, s)) return;
   const int nt = static_cast<int>(n_tokens);
   switch (t.kind) {

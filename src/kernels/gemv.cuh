@@ -94,10 +94,27 @@ struct ExpertTable {
   const RowMap* rows = nullptr;
 };
 
+// FC2's input staged by the one-token FP4 FC1 kernel (launch_moe_fc1 / launch_moe_fc1_logits given one):
+// besides act it writes each value as the FC2 kernel stages act in shared memory -- one fp16, times
+// 2^shift, in the plane layout -- so that FC2 copies them (cp.async) after its wait instead of taking act's
+// maxima, converting and storing them there (~2 us of cold code on the step's critical path, NOTES.md). Only
+// where the GLU bounds act, so that one fixed shift keeps every value in fp16: gpt-oss's clamped SwiGLU,
+// |act| <= limit (limit + 1). A power-of-two shift changes no product's bits (only values below fp16's
+// normal range round differently from the per-row prescale).
+struct StagedActs {
+  void* planes = nullptr;      // staged_acts_bytes(rows, d_expert) of device memory, zeroed once (no launch
+                               // writes the padding past d_expert)
+  int rows = 0, d_expert = 0;  // what planes has room for
+  const float* act = nullptr;  // set by each FC1 launch given this: the act it staged alongside, or null
+  int shift = 0;
+};
+size_t staged_acts_bytes(int rows, int d_expert);
+
 // act[p, j] = glu(fc1_e(x[p / top_k]))[j] for every pair p = t * top_k + i with e = ids[p]: one launch
-// for all selected experts, SwiGLU (plain or gpt-oss clamped) fused in the epilogue.
+// for all selected experts, SwiGLU (plain or gpt-oss clamped) fused in the epilogue. staged (optional): see
+// StagedActs.
 void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                    Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
+                    Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s, StagedActs* staged = nullptr);
 // y[t] = sum_i weights[t, i] * (fc2_e(act[t * top_k + i]) + bias_e): all choices in one launch, summed
 // in choice order inside one warp (deterministic). ids and weights must be complete by the time the
 // previous kernel on the stream lets it launch (as right after launch_moe_fc1 with the same routes: the
@@ -105,9 +122,11 @@ void launch_moe_fc1(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, i
 // fences them before its trigger): the one-token kernel reads them, and its first weights, before waiting
 // for that kernel. prefetch (optional): L2 prefetch hints for weights read after this op; the one-token
 // kernel issues them itself (right after its first weight loads: no launch of its own) and clears them,
-// other paths leave them to the caller.
+// other paths leave them to the caller. staged (optional): the one-token kernel copies its planes where the
+// last FC1 launch given it staged this act.
 void launch_moe_fc2(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens, int top_k,
-                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch = nullptr);
+                    const float* act, float* y, bool fp16_acts, cudaStream_t s, PrefetchRanges* prefetch = nullptr,
+                    const StagedActs* staged = nullptr);
 
 bool launch_moe_fc1_fp4(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                         Glu glu, float limit, float* act, cudaStream_t s);
@@ -126,14 +145,17 @@ inline constexpr int kRouteLogitsMaxExperts = 256;
 bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts);
 // As launch_moe_fc1 for one token, the routes as logits: also writes ids [top_k] and weights [top_k], which
 // launch_moe_fc2 right after it may take (they are complete before FC1 lets it launch).
+// staged_x (optional, fp16_acts): x as launch_norm_route's staged_h wrote it.
 void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
-                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
+                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
+                           StagedActs* staged = nullptr, const void* staged_x = nullptr);
 
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
-                               Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s);
+                               Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
+                               StagedActs* staged = nullptr);
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights, int64_t n_tokens,
                                int top_k, const float* act, float* y, bool fp16_acts, cudaStream_t s,
-                               PrefetchRanges* prefetch = nullptr);
+                               PrefetchRanges* prefetch = nullptr, const StagedActs* staged = nullptr);
 
 // Measurement builds only (-DNIBBLE_STREAM_STAMPS=1 on gemv_fp4_stream.cu, e.g. scripts/gpu-ab.sh
 // NIBBLE_AB_VARIANTS): the one-token stream kernels record, per block, %globaltimer at entry, after their

@@ -23,6 +23,10 @@
 // CudaBackendOptions::gemm_fp16_activations) or fp16 hi + lo (~22 bits, as gemv_fp4.cu: two MMAs per slice,
 // so the products are exact in the fp32 accumulators); 2^-s comes back per output. One fp16 halves the
 // MMAs and shared-memory loads: H200, lm_head MXFP4 68 -> 81 % of the read bandwidth, tg128 +6 %.
+// Staged by the producer (one fp16): the MoE kernels' inputs can arrive already in the staged layout
+// (stage.cuh) -- FC1's x from norm_route (launch_norm_route's staged_h), FC2's act from FC1 (StagedActs,
+// gpt-oss's bounded GLU: a fixed 2^s) -- and are then copied into shared memory with cp.async after the
+// wait instead of taking maxima, converting and storing there, on cold instruction caches (kStaged kernels).
 //
 // Work: a warp walks row pairs (strided over the grid's warps; FC2: the top_k warps of a group take the
 // choices of the same pair). A "unit" is a pair (FC2: one choice of it) across every chunk of k: NC items of
@@ -37,15 +41,18 @@
 // are: ptxas puts the activation and weight loads on one scoreboard, so a max taken after a weight load
 // waits for that load (DRAM at a kernel's start; the linear kernels' weights are there by their wait).
 
+#include <algorithm>
+#include <cmath>
+
 #include "backend/backend.h"  // kKvBlock
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemv.cuh"
 #include "kernels/route.cuh"
+#include "kernels/stage.cuh"
 
 namespace nb::cuda {
 namespace {
 
-constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lanes x 32
 // Warps per block: 16 on sm_90 (the H100/H200 numbers in bench/RESULTS.md), 8 on sm_12x, whose ptxas
 // spills 0.6-1 KiB per thread in the NVFP4 kernels under the 16-warp cap of 128 registers and needs none at
 // 8 warps (up to 255 registers; less bandwidth per SM to cover there: GB10 273 GB/s over 48 SMs). The
@@ -109,15 +116,6 @@ __device__ __forceinline__ void stamp_after([[maybe_unused]] StampKind kind, [[m
 #endif
 }
 
-// Staged activations of one row: per chunk c, 4 octet planes j of 32 lanes x 16 bytes (plane j of lane l =
-// elements 32 l + 8 j .. + 8 of the chunk in the octet order 0 4 1 5 2 6 3 7, common.cuh), hi planes of
-// every chunk, then lo planes. A lane's loads are consecutive 16-byte words across the warp: no conflicts.
-__host__ __device__ constexpr int n_chunks(int k) { return (k + kChunk - 1) / kChunk; }
-__host__ __device__ constexpr int row_words(int k) {
-  return 2 * n_chunks(k) * 4 * 32;
-}  // uint4 per staged row
-__host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
-
 // Staging, in phases so that its global-memory round trip overlaps other work: stage_index (before the
 // kernel's wait) places this thread's first kHold octets (8 elements) of the rows, stage_issue loads them
 // into registers; stage_max folds their max |x| (and that of any octets beyond, which stage_store reads
@@ -139,12 +137,6 @@ struct StageShared {
   float pre[kMaxRows], unscale[kMaxRows];
 };
 
-// Octet f of the staged rows: its row i, first element e (>= k: padding), plane word index.
-__device__ __forceinline__ void octet_at(int f, int k, int& i, int& e, int& word) {
-  const int octets = n_chunks(k) * kChunk / 8, o = f % octets;
-  const int c = o / 128, l = (o / 4) % 32, j = o % 4;
-  i = f / octets, e = c * kChunk + l * 32 + j * 8, word = (c * 4 + j) * 32 + l;
-}
 __device__ __forceinline__ void load_octet(const float* x, int64_t ld, int i, int e, int k, float (&v)[8]) {
   if (e >= k) {
 #pragma unroll
@@ -482,12 +474,11 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   auto step = [&](Item(&now)[NC], Item(&next)[NC]) -> bool {
     const Unit un = op.next(u);
     const bool more = un.p < op.n_pairs;
-    // Op::kLoadAlways: past the last unit the current one again (its lines are in L1/L2), no branch. In the
-    // MoE FC1 kernel under `if (more)` ptxas loaded into fresh registers and copied them into the buffer
-    // after the branch, so the warp waited for the next unit's scale bytes before computing this one (ncu:
-    // ~10 % of the stall samples on those copies, ninth session); in the others that cost more than it saved.
-    const Unit ld = Op::kLoadAlways && !more ? u : un;
-    if (Op::kLoadAlways || more) load_unit<K, NC>(op.rows(ld), k, next), epi_next = op.epilogue(ld);
+    // Only while there is a next unit (a branch). The ninth session had FC1 load past its last unit instead
+    // (the current unit again, no branch: under the branch ptxas then copied its loads into the buffer after
+    // it); against today's code that placed the second step's loads behind its math, and the branch
+    // measured tg128 +0.5 % (NOTES.md eighteenth session).
+    if (more) load_unit<K, NC>(op.rows(un), k, next), epi_next = op.epilogue(un);
     const float2 v = unit_dots<K, NC, kSplit>(now, planes + static_cast<size_t>(op.xrow()) * words);
     op.finish(u, v.x, v.y, epi);
     u = un, epi = epi_next;
@@ -509,7 +500,6 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
 template <WKind K>
 struct LinearOp {
-  static constexpr bool kLoadAlways = false;  // (walk)
   static constexpr StampKind kStamp = kStampLinear;  // (measurement builds)
   __device__ bool stamped() const { return stamps_linear(w); }
   const DevWeight& w;
@@ -584,7 +574,6 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
 // finishing it holds both; v rows pair as (2 j, 2 j + 1).
 template <WKind K>
 struct QkvOp {
-  static constexpr bool kLoadAlways = false;  // (walk)
   static constexpr StampKind kStamp = kStampQkv;  // (measurement builds)
   __device__ bool stamped() const { return true; }
   const DevWeight& w;
@@ -836,7 +825,6 @@ __device__ void map_experts(const RowMap* table, const RouteSrc& r, int top_k, b
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 template <WKind K>
 struct Fc1Op {
-  static constexpr bool kLoadAlways = true;  // (walk)
   static constexpr StampKind kStamp = kStampFc1;  // (measurement builds)
   __device__ bool stamped() const { return true; }
   const RowMap (*maps)[kMaxRows];  // [gate, up][top_k] in shared memory
@@ -845,6 +833,8 @@ struct Fc1Op {
   float limit, unscale;
   float* act;
   int n_pairs, stride, stride_i, stride_j;  // stride = stride_i d_expert + stride_j
+  uint16_t* staged;  // act for FC2 as it stages it (StagedActs: fp16 bits times stage_pre), or null
+  float stage_pre;
   __device__ int xrow() const { return 0; }
   __device__ Unit next(Unit u) const {
     Unit n{u.p + stride, u.i + stride_i, u.j + stride_j};
@@ -861,16 +851,19 @@ struct Fc1Op {
     if ((threadIdx.x & 31) != 0) return;
     const float gate = v0 * unscale * maps[0][u.i].post + b.x;
     const float up = v1 * unscale * maps[1][u.i].post + b.y;
-    act[static_cast<int64_t>(u.i) * tab.d_expert + u.j] =
-        glu_value(gate, up, kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves, limit);
+    const float a = glu_value(gate, up, kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves, limit);
+    act[static_cast<int64_t>(u.i) * tab.d_expert + u.j] = a;
+    if (staged) staged[staged_half(u.i, u.j, tab.d_expert)] = __half_as_ushort(__float2half_rn(a * stage_pre));
   }
 };
 
-template <WKind K, int NC, bool kSplit>
+template <WKind K, int NC, bool kSplit, bool kStaged>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act,
-                      bool table_in_smem) {
+                      bool table_in_smem, uint16_t* __restrict__ staged, float stage_pre,
+                      const uint4* __restrict__ staged_x) {
+  static_assert(!(kStaged && kSplit), "staged x is one fp16 per activation");
   extern __shared__ uint4 planes[];  // the staged x; then, with table_in_smem, a copy of tab.rows
   stamp(kStampFc1, kAtEntry);
   __shared__ StageShared ss;
@@ -892,33 +885,51 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // once block 0 has written and fenced them in map_experts, so the trigger follows that.
   const bool deferred = routes.lg.logits != nullptr;
   Held h;
-  stage_index(1, tab.d_model, h);
+  if constexpr (!kStaged) stage_index(1, tab.d_model, h);
   // The walk's constants and the first unit (divisions by d_expert) before the wait, too.
   const int nw = static_cast<int>(blockDim.x) >> 5;  // (up to kBlockThreads / 32: fc1() below)
   const int stride = static_cast<int>(gridDim.x) * nw, d = tab.d_expert;
-  Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d};
+  Fc1Op<K> op{maps, tab, kind, limit, 0.0f, act, top_k * d, stride, stride / d, stride % d, staged, stage_pre};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, p0 / d, p0 % d};
   pdl_wait_only();
   stamp(kStampFc1, kAtWaited);
   if (!deferred) pdl_launch();
-  stage_issue(x, tab.d_model, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
-  map_experts(table, routes, top_k, true, maps, nullptr);
-  stamp(kStampFc1, kAtRouted);
-  if (deferred) pdl_launch();
   Item cur[NC];
-  // x's maxima before the first weights are requested: ptxas gives the x loads and the weight loads one
-  // scoreboard, so a max taken after the weight loads waited for the weights (DRAM, ~2.5 us at the kernel's
-  // start) instead of x (L2); after it, the barriers and the planes overlap the weights' latency (tg128
-  // +1 %, eleventh session).
-  stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
-  stamp(kStampFc1, kAtMaxed);
-  if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
-  __syncthreads();
-  stage_scales(1, ss);
-  __syncthreads();
-  stage_store(x, tab.d_model, 1, tab.d_model, h, ss, kSplit, planes);
-  __syncthreads();
+  // kStaged: x staged by norm_route. A kernel of its own (one staging, one walk): both stagings in one
+  // kernel, with a walk after each or one walk after both, changed ptxas' code for the walk and its rounds
+  // by 25 % (NOTES.md eighteenth session).
+  if constexpr (kStaged) {
+    // x staged by norm_route (launch_norm_route's staged_h): its planes copied into shared memory while the
+    // routes are formed (cp.async: no registers, so the first weights need not wait behind them).
+    const int half = hi_words(tab.d_model);
+    for (int w = threadIdx.x; w < half; w += blockDim.x) cp_async16(planes + w, staged_x + w, true);
+    cp_async_commit();
+    if (threadIdx.x == 0) ss.unscale[0] = __uint_as_float(__ldcg(&staged_x[half].x));
+    map_experts(table, routes, top_k, true, maps, nullptr);
+    stamp(kStampFc1, kAtRouted);
+    if (deferred) pdl_launch();
+    if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);
+    cp_async_wait<0>();
+    __syncthreads();
+  } else {
+    stage_issue(x, tab.d_model, tab.d_model, h);  // x in flight while the experts' descriptors are fetched
+    map_experts(table, routes, top_k, true, maps, nullptr);
+    stamp(kStampFc1, kAtRouted);
+    if (deferred) pdl_launch();
+    // x's maxima before the first weights are requested: ptxas gives the x loads and the weight loads one
+    // scoreboard, so a max taken after the weight loads waited for the weights (DRAM, ~2.5 us at the
+    // kernel's start) instead of x (L2); after it, the barriers and the planes overlap the weights' latency
+    // (tg128 +1 %, eleventh session).
+    stage_max(x, tab.d_model, 1, tab.d_model, h, ss);  // then barrier, prescales, barrier, planes, barrier
+    stamp(kStampFc1, kAtMaxed);
+    if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), tab.d_model, cur);  // in flight while x is staged
+    __syncthreads();
+    stage_scales(1, ss);
+    __syncthreads();
+    stage_store(x, tab.d_model, 1, tab.d_model, h, ss, kSplit, planes);
+    __syncthreads();
+  }
   op.unscale = ss.unscale[0];
   stamp(kStampFc1, kAtStaged);
   if (first.p < op.n_pairs) stamp_after(kStampFc1, kAtLoaded, cur[0].a.x);
@@ -934,7 +945,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // is padded to whole rounds, and padding pairs load clamped rows and write nothing.
 template <WKind K>
 struct Fc2Op {
-  static constexpr bool kLoadAlways = false;  // (walk)
   static constexpr StampKind kStamp = kStampFc2;  // (measurement builds)
   __device__ bool stamped() const { return true; }
   const RowMap* maps;  // [top_k] in shared memory, as are weights and unscale
@@ -972,11 +982,13 @@ struct Fc2Op {
   }
 };
 
-template <WKind K, int NC, bool kSplit>
+template <WKind K, int NC, bool kSplit, bool kStaged>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc2_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
                       const float* __restrict__ act, float* __restrict__ y, int rounds,
-                      const __grid_constant__ PrefetchRanges prefetch) {
+                      const __grid_constant__ PrefetchRanges prefetch, const uint4* __restrict__ staged,
+                      float staged_unscale) {
+  static_assert(!(kStaged && kSplit), "staged act is one fp16 per activation");
   extern __shared__ uint4 planes[];
   stamp(kStampFc2, kAtEntry);
   __shared__ StageShared ss;
@@ -995,27 +1007,44 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // fetched, before our wait: only act comes from FC1.
   map_experts(tab.rows, routes, top_k, false, maps, s_weights);
   stamp(kStampFc2, kAtRouted);
-  // The first unit's lines into L2 now (no registers: see below), into registers once act's maxima are in.
-  prefetch_unit<K, NC>(op.rows(first), tab.d_expert);
+  // kStaged: act staged by FC1 (StagedActs; a kernel of its own: see stream_fc1_kernel). After the wait only
+  // a copy into shared memory, which holds no registers (cp.async), so the first unit's weights go straight
+  // into registers now. Else they go into L2 now (no registers: see below), into registers once act's
+  // maxima are in.
+  if constexpr (kStaged) {
+    load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
+    if (threadIdx.x < top_k) ss.unscale[threadIdx.x] = staged_unscale;
+  } else {
+    prefetch_unit<K, NC>(op.rows(first), tab.d_expert);
+  }
   // Weights of the next ops (the next layer's attention projections) into L2 while this kernel leaves DRAM
   // half idle: after our first weights, so that those go out first; in place of a prefetch launch, whose
   // boundary sat on the step's critical path (~1 us per layer).
   issue_l2_prefetch(prefetch, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   Held h;
-  stage_index(top_k, tab.d_expert, h);
+  if constexpr (!kStaged) stage_index(top_k, tab.d_expert, h);
   pdl_wait();  // act comes from the previous kernel
   stamp(kStampFc2, kAtWaited);
-  stage_issue(act, tab.d_expert, tab.d_expert, h);
-  stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
-  stamp(kStampFc2, kAtMaxed);
-  // (Loaded into registers before the wait, as before the eleventh session, the weights shared the act
-  // loads' scoreboard and the max waited for them: tg128 +1.5 % this way.)
-  load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
-  __syncthreads();
-  stage_scales(top_k, ss);
-  __syncthreads();
-  stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, kSplit, planes);
-  __syncthreads();
+  if constexpr (kStaged) {
+    const int half = hi_words(tab.d_expert), words = row_words(tab.d_expert);
+    for (int w = threadIdx.x; w < half; w += blockDim.x)
+      for (int i = 0; i < top_k; ++i) cp_async16(planes + i * words + w, staged + i * half + w, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  } else {
+    stage_issue(act, tab.d_expert, tab.d_expert, h);
+    stage_max(act, tab.d_expert, top_k, tab.d_expert, h, ss);  // then barrier, prescales, barrier, planes, barrier
+    stamp(kStampFc2, kAtMaxed);
+    // (Loaded into registers before the wait, as before the eleventh session, the weights shared the act
+    // loads' scoreboard and the max waited for them: tg128 +1.5 % this way.)
+    load_unit<K, NC>(op.rows(first), tab.d_expert, cur);
+    __syncthreads();
+    stage_scales(top_k, ss);
+    __syncthreads();
+    stage_store(act, tab.d_expert, top_k, tab.d_expert, h, ss, kSplit, planes);
+    __syncthreads();
+  }
   stamp(kStampFc2, kAtStaged);
   stamp_after(kStampFc2, kAtLoaded, cur[0].a.x);
   walk<K, NC, kSplit>(op, tab.d_expert, planes, first, cur);
@@ -1166,9 +1195,32 @@ void qkv_head(const DevWeight& w, const QkvHeadArgs& a, cudaStream_t s) {
   }
 }
 
+// StagedActs' shift for this GLU: every |act| <= limit (limit + 1) (gpt-oss's clamped SwiGLU: gate <= limit,
+// gate sigmoid(1.702 gate) > -0.17, |up + 1| <= limit + 1) lands below 2^14; false where act is unbounded.
+bool staged_shift(Glu glu, float limit, int& shift) {
+  if (glu != Glu::kGptOssInterleaved && glu != Glu::kGptOssHalves) return false;
+  if (!(limit > 0.0f && limit <= 4096.0f)) return false;  // (NaN too)
+  const double bound = std::max(1.0, static_cast<double>(limit)) * (limit + 1.0);
+  shift = 14 - static_cast<int>(std::ceil(std::log2(bound)));
+  return true;
+}
+
+// Where this launch's FC1 stages act for FC2 (StagedActs), or null; records what it staged in st.
+uint16_t* stage_for_fc2(StagedActs* st, int top_k, int d_expert, Glu glu, float limit, bool split, const float* act,
+                        float& pre) {
+  if (!st) return nullptr;
+  int shift = 0;
+  st->act = nullptr;
+  if (split || !st->planes || st->rows < top_k || st->d_expert != d_expert || !staged_shift(glu, limit, shift))
+    return nullptr;
+  st->act = act, st->shift = shift;
+  pre = std::ldexp(1.0f, shift);
+  return static_cast<uint16_t*>(st->planes);
+}
+
 template <WKind K>
 void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu glu, float limit,
-         float* act, bool split, cudaStream_t s) {
+         float* act, bool split, cudaStream_t s, StagedActs* st, const void* staged_x = nullptr) {
   // Every warp the same number of row-pair units, on as many SMs as that allows: the fewest warps per block
   // whose grid of (nearly) full rounds still fits one block per SM (gpt-oss: 11520 pairs, 128 blocks x 15
   // warps x 6 rounds -- 90 units per SM; 16 warps took 120 blocks, 96 units per SM; 132 blocks x 16 left the
@@ -1179,31 +1231,48 @@ void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu
   static_assert(sizeof(RowMap) % sizeof(uint2) == 0);
   const size_t smem = stage_bytes(1, t.d_model) + (table_in_smem ? 3 * sizeof(RowMap) * t.n_experts : 0);
   const int n_pairs = top_k * t.d_expert;
+  float pre = 1.0f;
+  uint16_t* staged = stage_for_fc2(st, top_k, t.d_expert, glu, limit, split, act, pre);
   with_chunks(t.d_model, split, [&]<int NC, bool kSplit>() {
-    auto kernel = stream_fc1_kernel<K, NC, kSplit>;
-    int warps = device().warps, grid = grid_for(kernel, warps, smem, n_pairs);
-    if (even) {
-      const int rounds = ceil_div(n_pairs, grid * warps), max_grid = grid;
-      for (int w = warps; w >= 1 && ceil_div(n_pairs, rounds * w) <= max_grid; --w)
-        warps = w, grid = ceil_div(n_pairs, rounds * w);
+    auto go = [&](auto kernel) {
+      int warps = device().warps, grid = grid_for(kernel, warps, smem, n_pairs);
+      if (even) {
+        const int rounds = ceil_div(n_pairs, grid * warps), max_grid = grid;
+        for (int w = warps; w >= 1 && ceil_div(n_pairs, rounds * w) <= max_grid; --w)
+          warps = w, grid = ceil_div(n_pairs, rounds * w);
+      }
+      launch_pdl(kernel, grid, warps * 32, smem, s, t, r, top_k, x, glu, limit, act, table_in_smem, staged, pre,
+                 static_cast<const uint4*>(staged_x));
+    };
+    if constexpr (!kSplit) {
+      if (staged_x) return go(stream_fc1_kernel<K, NC, false, true>);
     }
-    launch_pdl(kernel, grid, warps * 32, smem, s, t, r, top_k, x, glu, limit, act, table_in_smem);
+    go(stream_fc1_kernel<K, NC, kSplit, false>);
   });
   CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K>
 void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act, float* y, bool split,
-         const PrefetchRanges& prefetch, cudaStream_t s) {
+         const PrefetchRanges& prefetch, const StagedActs* st, cudaStream_t s) {
+  // act as the last FC1 launch given st staged it (stage_for_fc2 checked the room and the shapes).
+  const bool use = st && st->act == act && act && !split && st->rows >= top_k && st->d_expert == t.d_expert;
+  const uint4* staged = use ? static_cast<const uint4*>(st->planes) : nullptr;
+  const float unscale = use ? std::ldexp(1.0f, -st->shift) : 1.0f;
   // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that
   // the last round is (nearly) full.
   const size_t smem = stage_bytes(top_k, t.d_expert);
   const int groups = device().warps / top_k, n_pairs = (t.d_model + 1) / 2;
   with_chunks(t.d_expert, split, [&]<int NC, bool kSplit>() {
-    auto kernel = stream_fc2_kernel<K, NC, kSplit>;
-    const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
-    const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
-    launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, r, top_k, act, y, rounds, prefetch);
+    auto go = [&](auto kernel) {
+      const int max_grid = grid_for(kernel, groups * top_k, smem, n_pairs * top_k);  // (pairs x top_k warps)
+      const int rounds = ceil_div(n_pairs, max_grid * groups), grid = ceil_div(n_pairs, rounds * groups);
+      launch_pdl(kernel, grid, groups * top_k * 32, smem, s, t, r, top_k, act, y, rounds, prefetch, staged, unscale);
+    };
+    if constexpr (!kSplit) {
+      if (staged) return go(stream_fc2_kernel<K, NC, false, true>);
+    }
+    go(stream_fc2_kernel<K, NC, kSplit, false>);
   });
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1248,24 +1317,25 @@ void launch_qkv_head_stream(const DevWeight& w, const QkvHeadArgs& a, cudaStream
 // Expert tables: ExpertTable::vec_ok covers 16-byte rows; every expert tensor starts 256-byte aligned in the
 // upload buffer, so the NVFP4 scale pairs are aligned too.
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k,
-                               const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s) {
+                               const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
+                               StagedActs* staged) {
   if (n_pairs != top_k || !table_ok(t, top_k, t.d_model)) return false;
   if (t.kind == WKind::kMXFP4)
-    fc1<WKind::kMXFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kMXFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s, staged);
   else
-    fc1<WKind::kNVFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kNVFP4>(t, route_ids(ids, nullptr), top_k, x, glu, limit, act, !fp16_acts, s, staged);
   return true;
 }
 
 bool launch_moe_fc2_fp4_stream(const ExpertTable& t, const int32_t* ids, const float* weights,
                                int64_t n_tokens, int top_k, const float* act, float* y, bool fp16_acts,
-                               cudaStream_t s, PrefetchRanges* prefetch) {
+                               cudaStream_t s, PrefetchRanges* prefetch, const StagedActs* staged) {
   if (n_tokens != 1 || !table_ok(t, top_k, t.d_expert)) return false;
   const PrefetchRanges pf = prefetch ? *prefetch : PrefetchRanges{};
   if (t.kind == WKind::kMXFP4)
-    fc2<WKind::kMXFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, s);
+    fc2<WKind::kMXFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, staged, s);
   else
-    fc2<WKind::kNVFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, s);
+    fc2<WKind::kNVFP4>(t, route_ids(ids, weights), top_k, act, y, !fp16_acts, pf, staged, s);
   if (prefetch) prefetch->n = 0;  // (issued by the kernel)
   return true;
 }
@@ -1276,15 +1346,18 @@ bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts) {
 }
 
 void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
-                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s) {
+                           const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
+                           StagedActs* staged, const void* staged_x) {
   NB_CHECK(moe_fp4_stream_supports(t, top_k, r.n_experts) && r.logits && ids && weights,
            "moe_fc1: routes as logits need the one-token FP4 kernels");
   const RouteSrc src{ids, weights, r};
   if (t.kind == WKind::kMXFP4)
-    fc1<WKind::kMXFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kMXFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x);
   else
-    fc1<WKind::kNVFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s);
+    fc1<WKind::kNVFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x);
 }
+
+size_t staged_acts_bytes(int rows, int d_expert) { return size_t{16} * rows * hi_words(d_expert); }
 
 
 

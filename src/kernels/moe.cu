@@ -7,6 +7,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "kernels/common.cuh"
 #include "kernels/route.cuh"
+#include "kernels/stage.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(kNormRouteThreads)
                       float eps, const uint16_t* __restrict__ router, const float* __restrict__ bias, int n_experts,
                       int top_k, bool softmax_first, bool renormalize, float* __restrict__ h,
                       float* __restrict__ logits, int32_t* __restrict__ ids, float* __restrict__ weights,
-                      unsigned* __restrict__ arrivals, float* __restrict__ x_out) {
+                      unsigned* __restrict__ arrivals, float* __restrict__ x_out, uint4* __restrict__ staged_h) {
   extern __shared__ float sm[];  // hn [d] the normalized row, sl [n_experts] the logits (last block)
   float* hn = sm;
   float* sl = sm + d;
@@ -101,6 +102,19 @@ __global__ void __launch_bounds__(kNormRouteThreads)
     if (blockIdx.x == 0 && x_out) reinterpret_cast<float4*>(x_out + t * d)[v] = sv[j];
   }
   __syncthreads();
+  if (staged_h && blockIdx.x == gridDim.x - 1) {  // the staging block (no experts of its own)
+    // h as FC1 stages x (stage.cuh): its max |h| sets the prescale 2^s, as fp16_prescale_shift does there.
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < d; i += kNormRouteThreads) m = fmaxf(m, fabsf(hn[i]));
+    m = warp_max(m);
+    if (lane == 0) partial[warp] = m;  // (every thread read the sums of squares before the barrier above)
+    __syncthreads();
+    for (int i = 0; i < kNormRouteWarps; ++i) m = fmaxf(m, partial[i]);
+    const int sh = fp16_prescale_shift(m);
+    stage_row_hi(hn, d, pow2f(sh), staged_h);
+    if (threadIdx.x == 0) staged_h[hi_words(d)] = make_uint4(__float_as_uint(pow2f(-sh)), 0u, 0u, 0u);
+    return;
+  }
   float acc = 0.0f;
 #pragma unroll
   for (int i = 0; i < kNormRouteMaxChunks; ++i) {
@@ -161,16 +175,20 @@ bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k) {
 void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,
                        const DevWeight& router, const float* bias, int top_k, bool softmax_first, bool renormalize,
                        float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, float* x_out,
-                       cudaStream_t s) {
+                       cudaStream_t s, void* staged_h) {
   NB_CHECK(norm_route_supports(router, n_tokens, top_k), "norm_route: unsupported router or shapes");
   NB_CHECK(!x_out || (n_tokens == 1 && x_out != x && !ids && !weights), "norm_route: deferred mode is for one token");
+  NB_CHECK(!staged_h || (x_out && router.k % 32 == 0), "norm_route: staged h needs deferred mode and d % 32 == 0");
   const int d = router.k, n_experts = router.n;
-  const dim3 grid((n_experts + kNormRouteWarps - 1) / kNormRouteWarps, static_cast<unsigned>(n_tokens));
+  const unsigned blocks = (n_experts + kNormRouteWarps - 1) / kNormRouteWarps + (staged_h ? 1 : 0);
+  const dim3 grid(blocks, static_cast<unsigned>(n_tokens));
   const size_t smem = (static_cast<size_t>(d) + n_experts) * sizeof(float);
   launch_pdl(norm_route_kernel, grid, kNormRouteThreads, smem, s, x, y, norm_w, d, eps,
              reinterpret_cast<const uint16_t*>(router.part[0].data), bias, n_experts, top_k, softmax_first,
-             renormalize, h, logits, ids, weights, arrivals, x_out);
+             renormalize, h, logits, ids, weights, arrivals, x_out, static_cast<uint4*>(staged_h));
   CUDA_CHECK(cudaGetLastError());
 }
+
+size_t norm_route_staged_bytes(int d) { return size_t{16} * (hi_words(d) + 1); }
 
 }  // namespace nb::cuda

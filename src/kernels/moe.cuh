@@ -28,6 +28,11 @@ bool norm_route_supports(const DevWeight& router, int64_t n_tokens, int top_k);
 void launch_norm_route(float* x, const float* y, const float* norm_w, float eps, int64_t n_tokens,
                        const DevWeight& router, const float* bias, int top_k, bool softmax_first, bool renormalize,
                        float* h, float* logits, int32_t* ids, float* weights, unsigned* arrivals, float* x_out,
-                       cudaStream_t s);
+                       cudaStream_t s, void* staged_h = nullptr);
+// staged_h (deferred mode, d % 32 == 0; optional): norm_route_staged_bytes(d) of device memory, where one more
+// block writes h as the one-token FP4 FC1 kernel stages its x (stage.cuh: hi planes times 2^s, max |h| into
+// [2^14, 2^15)), then 2^-s as the first float of one more 16-byte word; FC1 then copies them after its wait
+// instead of taking h's maximum and converting it there (launch_moe_fc1_logits' staged_x).
+size_t norm_route_staged_bytes(int d);
 
 }  // namespace nb::cuda

@@ -511,6 +511,18 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     for (size_t i = 0; i < want.size(); ++i)
       tol[i] = 2e-4f + 2e-5f * std::abs(want[i]) + (fp16 ? 64 * 0x1p-11f * scale : 0.0f);
     expect_close(want, got, tol, "moe_experts variant " + std::to_string(variant) + (fp16 ? " one fp16" : ""));
+    // One token, FP4, gpt-oss's bounded GLU, one fp16: FC2 copies act as FC1 staged it (cuda::StagedActs, what
+    // `got` took). The same act copied elsewhere is not staged: FC2 takes its maxima and converts it itself,
+    // a per-row prescale instead of the fixed shift -- the same fp16 products, so the same sums up to values
+    // below fp16's normal range (a wrong plane layout is off by the output's scale).
+    if (T == 1 && fp16 && f != WeightFormat::kBF16 && glu.activation == Activation::kGptOssClamped) {
+      const Tensor act = gpu_->moe_fc1(gpu_t(x, {T, d_model}), gr, gex, glu);
+      const Tensor copy = gpu_t(gpu_->to_host(act), act.shape);
+      const std::vector<float> staged = gpu_->to_host(gpu_->moe_fc2(act, gr, gex));
+      const std::string what = "act staged by FC1, variant " + std::to_string(variant);
+      expect_close(got, staged, {0.0f}, what);
+      expect_close(gpu_->to_host(gpu_->moe_fc2(copy, gr, gex)), staged, {1e-6f * scale}, what + " vs not staged");
+    }
     // With L2 prefetch hints for later weights (one token: issued by the FC2 kernel; else a launch after):
     // hints only, the same bits; and the plain call right after still gives them (the FC2 kernel's prefetch
     // argument shifts its others: a wrong layout there changes or breaks the output).
@@ -535,6 +547,21 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       cudaDeviceSynchronize();
       cudaMemcpy(dids.data(), dr.ids.data<int32_t>(), dids.size() * 4, cudaMemcpyDeviceToHost);
       for (int i = 0; i < top_k; ++i) ASSERT_EQ(gids[i], dids[i]) << "id " << i << " written by FC1, " << what;
+      // One fp16 per activation: norm_route's deferred mode also stages h for FC1 (launch_norm_route's
+      // staged_h), which FC1 copies; the same h copied elsewhere FC1 stages itself -- the same bits.
+      if (fp16) {
+        const Weight router = make_weight(hb_, WeightFormat::kBF16, E, d_model, 1, DType::kBF16, 0.1f);
+        upload(router);
+        const std::vector<float> nw = randn(d_model);
+        Tensor gx = gpu_t(x, {1, d_model});
+        const NormRoutes nr = gpu_->add_rms_norm_route(gx, Tensor(), gpu_t(nw, {d_model}), 1e-5f, router, nullptr,
+                                                       top_k, kind, variant == 1);
+        ASSERT_FALSE(nr.routes.logits.empty()) << what;
+        const Tensor h_copy = gpu_t(gpu_->to_host(nr.h), nr.h.shape);
+        const std::vector<float> staged = gpu_->to_host(gpu_->moe_experts(nr.h, nr.routes, gex, glu));
+        expect_close(gpu_->to_host(gpu_->moe_experts(h_copy, nr.routes, gex, glu)), staged, {0.0f},
+                     "x staged by norm_route, " + what);
+      }
       if (kind == RouterKind::kSoftmaxThenTopK) {  // qwen3_moe's renormalized routes, deferred and not
         const Routes rr = gpu_->moe_route(gpu_t(logits, {1, E}), top_k, kind, true);
         const Routes dr2{gpu_->alloc(DType::kI32, {1, top_k}), gpu_->alloc(DType::kF32, {1, top_k}),

@@ -111,6 +111,11 @@ struct ExpertDev {
   cuda::ExpertTable table;
   Tensor fc1, fc2;      // the DevWeight arrays, device memory
   Tensor rows;          // ExpertTable::rows, device memory (simple rows, FP4)
+  // FC2's input as the one-token FC1 kernel stages it (cuda::StagedActs; FP4 simple rows): moe_fc1 hands it
+  // to FC1, moe_fc2 to FC2, which copies the planes where FC1 staged the act it is given.
+  Tensor staged_buf;
+  cuda::StagedActs staged;
+  std::weak_ptr<uint8_t[]> staged_of;  // the act tensor staged (an address alone could be a later tensor's)
 };
 
 // Rows first, first + step, ... of the FP4 weight w (all in one part, the caller checked), with their
@@ -175,6 +180,18 @@ struct CudaBackend::Impl {
   // zeroed once here, and every such kernel leaves the counters it used at zero. Stream order keeps two
   // kernels from using them at once (a PDL kernel touches them only after its pdl_wait).
   unsigned* arrivals = nullptr;
+  // h of the last one-token norm_route as the FP4 FC1 kernel stages its x (launch_norm_route's staged_h), and
+  // which h that was: moe_fc1 hands the planes to FC1 when its x is that h. One buffer for every layer: the
+  // next norm_route writes it only after that FC1 has finished (stream order through each kernel's wait).
+  void* staged_h = nullptr;
+  size_t staged_h_bytes = 0;
+  std::weak_ptr<uint8_t[]> staged_h_of;  // (an address alone could be a later tensor's)
+  // The staged h if x is the h it holds (once: the next moe_fc1 gets null).
+  void* take_staged_h(const Tensor& x) {
+    const bool same = x.storage && staged_h_of.lock() == x.storage;
+    staged_h_of.reset();
+    return same ? staged_h : nullptr;
+  }
   // L2 prefetch hints handed to the next one-token MoE FC2 launch (moe_experts_then_prefetch): the kernel
   // issues them and clears n; any left are launched as their own kernel after the experts.
   cuda::PrefetchRanges fc2_prefetch;
@@ -236,6 +253,7 @@ struct CudaBackend::Impl {
     graphs.clear();
     for (void* p : owned) cudaFree(p);
     if (arrivals) cudaFree(arrivals);
+    if (staged_h) cudaFree(staged_h);
     experts.clear();
     rope_tables.clear();
     d_batch = Tensor();
@@ -374,7 +392,7 @@ struct CudaBackend::Impl {
     return t;
   }
 
-  const ExpertDev& expert_tables(const MoeExperts& ex);
+  ExpertDev& expert_tables(const MoeExperts& ex);
 };
 
 namespace {
@@ -785,6 +803,16 @@ Routes CudaBackend::moe_route(const Tensor& logits, int top_k, RouterKind kind, 
   return r;
 }
 
+// NIBBLE_STAGE_H=0 / NIBBLE_STAGE_ACTS=0 (compile definitions, for measurements: scripts/gpu-ab.sh
+// NIBBLE_AB_VARIANTS): no staged h for FC1 / no staged act for FC2; the kernels then stage them themselves.
+#ifndef NIBBLE_STAGE_H
+#define NIBBLE_STAGE_H 1
+#endif
+#ifndef NIBBLE_STAGE_ACTS
+#define NIBBLE_STAGE_ACTS 1
+#endif
+constexpr bool kStageH = NIBBLE_STAGE_H, kStageActs = NIBBLE_STAGE_ACTS;
+
 NormRoutes CudaBackend::add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps,
                                            const Weight& router, const Tensor* router_bias, int top_k,
                                            RouterKind kind, bool renormalize) {
@@ -806,12 +834,22 @@ NormRoutes CudaBackend::add_rms_norm_route(Tensor& x, const Tensor& y, const Ten
   // read x), so the kernel has no last block selecting the experts on the step's critical path.
   const bool defer = T == 1 && impl_->options.defer_routes && router.n <= cuda::kRouteLogitsMaxExperts;
   Tensor x_new = defer ? alloc(DType::kF32, x.shape) : Tensor();
+  // Deferred, one fp16 per activation: h staged for the FP4 FC1 kernel too (its first call is an eager step,
+  // never inside a graph capture: run_graphed's warm-up run).
+  Impl& I = *impl_;
+  const bool stage = kStageH && defer && I.options.gemm_fp16_activations && d % 32 == 0;
+  if (stage && I.staged_h_bytes < cuda::norm_route_staged_bytes(static_cast<int>(d))) {
+    if (I.staged_h) CUDA_CHECK(cudaFree(I.staged_h));
+    I.staged_h_bytes = cuda::norm_route_staged_bytes(static_cast<int>(d));
+    CUDA_CHECK(cudaMalloc(&I.staged_h, I.staged_h_bytes));
+  }
+  I.staged_h_of = stage ? std::weak_ptr<uint8_t[]>(r.h.storage) : std::weak_ptr<uint8_t[]>();
   cuda::launch_norm_route(x.data<float>(), y.empty() ? nullptr : y.data<float>(), norm.data<float>(), eps, T, dw,
                           router_bias ? router_bias->data<float>() : nullptr, top_k,
                           kind == RouterKind::kSoftmaxThenTopK, renormalize, r.h.data<float>(), logits.data<float>(),
                           defer ? nullptr : r.routes.ids.data<int32_t>(),
                           defer ? nullptr : r.routes.weights.data<float>(), impl_->arrivals,
-                          defer ? x_new.data<float>() : nullptr, impl_->stream);
+                          defer ? x_new.data<float>() : nullptr, impl_->stream, stage ? I.staged_h : nullptr);
   if (defer) {
     x = x_new;
     r.routes.logits = logits;
@@ -841,7 +879,7 @@ static cuda::RouteLogits route_logits(const Routes& r) {
           r.renormalize};
 }
 
-const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
+ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
   NB_CHECK(!ex.fc1.empty() && !ex.fc1[0].parts.empty(), "moe_experts: no experts");
   const void* key = ex.fc1[0].parts[0].data.data;
   auto it = experts.find(key);
@@ -892,6 +930,12 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
     const int64_t rb = static_cast<int64_t>(sizeof(cuda::RowMap) * rows.size());
     d.rows = make(DType::kU8, {rb});
     CUDA_CHECK(cudaMemcpyAsync(d.rows.data<uint8_t>(), rows.data(), rb, cudaMemcpyHostToDevice, stream));
+    // Room for the one-token kernels' most routed rows; zeroed here once (the padding past d_expert stays so).
+    constexpr int kStagedRows = 8;
+    const size_t sb = cuda::staged_acts_bytes(kStagedRows, dx);
+    d.staged_buf = make(DType::kU8, {static_cast<int64_t>(sb)});
+    CUDA_CHECK(cudaMemsetAsync(d.staged_buf.data<uint8_t>(), 0, sb, stream));
+    d.staged.planes = d.staged_buf.data<uint8_t>(), d.staged.rows = kStagedRows, d.staged.d_expert = dx;
     CUDA_CHECK(cudaStreamSynchronize(stream));
     t.rows = reinterpret_cast<const cuda::RowMap*>(d.rows.data<uint8_t>());
   }
@@ -901,7 +945,7 @@ const ExpertDev& CudaBackend::Impl::expert_tables(const MoeExperts& ex) {
 Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExperts& ex, const GluParams& glu) {
   check_f32(x, "moe_experts");
   const int64_t n_tokens = x.dim(0), top_k = routes.ids.dim(1);
-  const ExpertDev& d = impl_->expert_tables(ex);
+  ExpertDev& d = impl_->expert_tables(ex);
   NB_CHECK(x.dim(1) == d.table.d_model, "moe_experts: input " + shape_string(x.shape));
   const bool inter = ex.layout == GluLayout::kInterleaved;
   const cuda::Glu g = glu.activation == Activation::kGptOssClamped
@@ -912,19 +956,24 @@ Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExpe
     NB_CHECK(logits_routes(routes, d.table) && n_tokens == 1, "moe_fc1: deferred routes these kernels cannot select");
     cuda::launch_moe_fc1_logits(d.table, route_logits(routes), static_cast<int>(top_k), routes.ids.data<int32_t>(),
                                 routes.weights.data<float>(), x.data<float>(), g, glu.limit, act.data<float>(),
-                                impl_->options.gemm_fp16_activations, impl_->stream);
-    return act;
+                                impl_->options.gemm_fp16_activations, impl_->stream, kStageActs ? &d.staged : nullptr,
+                                impl_->take_staged_h(x));
+  } else {
+    impl_->staged_h_of.reset();
+    cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
+                         x.data<float>(), g, glu.limit, act.data<float>(), impl_->options.gemm_fp16_activations,
+                         impl_->stream, kStageActs ? &d.staged : nullptr);
   }
-  cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
-                       x.data<float>(), g, glu.limit, act.data<float>(), impl_->options.gemm_fp16_activations,
-                       impl_->stream);
+  d.staged_of = d.staged.act ? std::weak_ptr<uint8_t[]>(act.storage) : std::weak_ptr<uint8_t[]>();
   return act;
 }
 
 Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeExperts& ex) {
   const int64_t top_k = routes.ids.dim(1), n_tokens = routes.ids.dim(0);
-  const ExpertDev& d = impl_->expert_tables(ex);
+  ExpertDev& d = impl_->expert_tables(ex);
   NB_CHECK(act.dim(0) == n_tokens * top_k && act.dim(1) == ex.d_expert, "moe_fc2: act " + shape_string(act.shape));
+  // This act as FC1 staged it (StagedActs), or FC2 stages it itself.
+  const bool staged = kStageActs && act.storage && d.staged_of.lock() == act.storage;
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
   // The routes are older than the kernel before this one (moe_experts launches FC2 right after FC1 with the
   // same routes; the benchmark makes them first), as launch_moe_fc2 needs.
@@ -932,7 +981,8 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   NB_CHECK(routes.logits.empty() || logits_routes(routes, d.table), "moe_fc2: deferred routes these kernels cannot take");
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                        static_cast<int>(top_k), act.data<float>(), y.data<float>(),
-                       impl_->options.gemm_fp16_activations, impl_->stream, &impl_->fc2_prefetch);
+                       impl_->options.gemm_fp16_activations, impl_->stream, &impl_->fc2_prefetch,
+                       staged ? &d.staged : nullptr);
   return y;
 }
 
