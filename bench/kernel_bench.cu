@@ -175,10 +175,12 @@ int run(bool quick) {
       row(m.name, "expert fc1 x4 (+SwiGLU)", f, "4 x " + shape_string({2 * d_ff, d}), b1, us1, bw);
       const double us2 = timer.time([&](int i) { gpu.moe_fc2(act, routes[i % n_sets], ex); });
       row(m.name, "expert fc2 x4 (+combine)", f, "4 x " + shape_string({d, d_ff}), b2, us2, bw);
-      // FC2 on an act FC1 staged for it (the one-token kernels, gpt-oss's bounded GLU: the decode step's path).
-      const Tensor staged = gpu.moe_fc1(x, routes[0], ex, glu);
-      const double us3 = timer.time([&](int i) { gpu.moe_fc2(staged, routes[i % n_sets], ex); });
-      row(m.name, "expert fc2 x4 (+combine, act staged by fc1)", f, "4 x " + shape_string({d, d_ff}), b2, us3, bw);
+      // FC2 on an act FC1 staged for it (the one-token FP4 kernels, gpt-oss's bounded GLU: the decode path).
+      if (f == WeightFormat::kMXFP4 || f == WeightFormat::kNVFP4) {
+        const Tensor staged = gpu.moe_fc1(x, routes[0], ex, glu);
+        const double us3 = timer.time([&](int i) { gpu.moe_fc2(staged, routes[i % n_sets], ex); });
+        row(m.name, "expert fc2 x4 (+combine, act staged by fc1)", f, "4 x " + shape_string({d, d_ff}), b2, us3, bw);
+      }
       if (cuda::stream_stamps(true, nullptr)) {  // measurement builds: one FC1 then FC2 (after the timings)
         gpu.moe_fc1(x, routes[0], ex, glu);
         gpu.moe_fc2(act, routes[0], ex);
