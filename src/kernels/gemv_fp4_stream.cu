@@ -197,7 +197,7 @@ __device__ __forceinline__ void stage_scales(int rows, StageShared& ss) {
 }
 __device__ void stage_store(const float* __restrict__ x, int64_t ld, int rows, int k, const Held& h,
                             const StageShared& ss, bool split, uint4* planes) {
-  const int total = rows * n_chunks(k) * kChunk / 8, half = n_chunks(k) * 4 * 32;
+  const int total = rows * n_chunks(k) * kChunk / 8, half = hi_words(k);
   auto store = [&](int i, int w, float (&v)[8]) {
     const float p = ss.pre[i];
 #pragma unroll
@@ -1255,8 +1255,8 @@ void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu
 template <WKind K>
 void fc2(const ExpertTable& t, const RouteSrc& r, int top_k, const float* act, float* y, bool split,
          const PrefetchRanges& prefetch, const StagedActs* st, cudaStream_t s) {
-  // act as the last FC1 launch given st staged it (stage_for_fc2 checked the room and the shapes).
-  const bool use = st && st->act == act && act && !split && st->rows >= top_k && st->d_expert == t.d_expert;
+  // act as the last FC1 launch given st staged it (stage_for_fc2 checked the room and the shapes then).
+  const bool use = st && act && st->act == act && !split;
   const uint4* staged = use ? static_cast<const uint4*>(st->planes) : nullptr;
   const float unscale = use ? std::ldexp(1.0f, -st->shift) : 1.0f;
   // Blocks of warps / top_k groups of top_k warps; rounds of gridDim x groups pairs, the grid sized so that

@@ -17,11 +17,9 @@ inline constexpr int kChunk = 1024;  // elements of a row per warp load: 32 lane
 // every chunk, then lo planes (one fp16 per activation: hi planes only). A lane's loads are consecutive
 // 16-byte words across the warp: no conflicts.
 __host__ __device__ constexpr int n_chunks(int k) { return (k + kChunk - 1) / kChunk; }
-__host__ __device__ constexpr int row_words(int k) {
-  return 2 * n_chunks(k) * 4 * 32;
-}  // uint4 per staged row
+__host__ __device__ constexpr int hi_words(int k) { return n_chunks(k) * 4 * 32; }  // uint4: a row's hi planes
+__host__ __device__ constexpr int row_words(int k) { return 2 * hi_words(k); }      // uint4 per staged row
 __host__ __device__ constexpr size_t stage_bytes(int rows, int k) { return size_t{16} * rows * row_words(k); }
-__host__ __device__ constexpr int hi_words(int k) { return n_chunks(k) * 4 * 32; }  // a row's hi planes
 
 // Octet f of the staged rows: its row i, first element e (>= k: padding), plane word index.
 __device__ __forceinline__ void octet_at(int f, int k, int& i, int& e, int& word) {

@@ -518,6 +518,9 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
     if (T == 1 && fp16 && f != WeightFormat::kBF16 && glu.activation == Activation::kGptOssClamped) {
       const Tensor act = gpu_->moe_fc1(gpu_t(x, {T, d_model}), gr, gex, glu);
       const Tensor copy = gpu_t(gpu_->to_host(act), act.shape);
+      // act's fp32 values poisoned (NaN): FC2 must read only the staged copy, or the output is NaN.
+      cudaMemset(act.data<float>(), 0xff, act.numel() * sizeof(float));
+      cudaDeviceSynchronize();
       const std::vector<float> staged = gpu_->to_host(gpu_->moe_fc2(act, gr, gex));
       const std::string what = "act staged by FC1, variant " + std::to_string(variant);
       expect_close(got, staged, {0.0f}, what);
@@ -558,6 +561,9 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
                                                        top_k, kind, variant == 1);
         ASSERT_FALSE(nr.routes.logits.empty()) << what;
         const Tensor h_copy = gpu_t(gpu_->to_host(nr.h), nr.h.shape);
+        // h's fp32 values poisoned (NaN): FC1 must read only the staged copy, or the output is NaN.
+        cudaMemset(nr.h.data<float>(), 0xff, nr.h.numel() * sizeof(float));
+        cudaDeviceSynchronize();
         const std::vector<float> staged = gpu_->to_host(gpu_->moe_experts(nr.h, nr.routes, gex, glu));
         expect_close(gpu_->to_host(gpu_->moe_experts(h_copy, nr.routes, gex, glu)), staged, {0.0f},
                      "x staged by norm_route, " + what);
