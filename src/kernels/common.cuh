@@ -196,7 +196,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+// The hardware exp2 (MUFU, ~2 ulp) instead of the accurate expf (~8 instructions more on the tail of every
+// one-token FC1 unit). The IEEE division stays: without its slow-path call ptxas interleaved the tail with
+// the next unit and FC1 spilled 48-56 bytes (sm_90a).
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 // The GLU of one MoE output from its gate and up sums (biases added): gpt-oss's clamped SwiGLU or plain
 // SiLU, the CPU reference's expressions (formats.md §2.4).

@@ -29,9 +29,11 @@ __device__ __forceinline__ void octet_at(int f, int k, int& i, int& e, int& word
 }
 // Where element e of row i lies in StagedActs' planes (rows of hi planes only, back to back), in fp16s:
 // octet_at's word, then the octet order 0 4 1 5 2 6 3 7 (split_octet).
+// (Unsigned: FC1 computes this for every unit, and signed divisions cost ~25 instructions there.)
 __device__ __forceinline__ int staged_half(int i, int e, int k) {
-  const int c = e / kChunk, l = e % kChunk / 32, j = e % 32 / 8, q = e % 8;
-  return (i * hi_words(k) + (c * 4 + j) * 32 + l) * 8 + (q < 4 ? 2 * q : 2 * q - 7);
+  const unsigned u = static_cast<unsigned>(e), c = u / kChunk, l = u % kChunk / 32, j = u % 32 / 8, q = u % 8;
+  const unsigned word = static_cast<unsigned>(i * hi_words(k)) + (c * 4 + j) * 32 + l;
+  return static_cast<int>(word * 8 + (q < 4 ? 2 * q : 2 * q - 7));
 }
 
 // One row of k activations (shared memory: a block's copy of the row) times pre (a power of two) into its
