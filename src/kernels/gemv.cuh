@@ -146,9 +146,12 @@ bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts);
 // As launch_moe_fc1 for one token, the routes as logits: also writes ids [top_k] and weights [top_k], which
 // launch_moe_fc2 right after it may take (they are complete before FC1 lets it launch).
 // staged_x (optional, fp16_acts): x as launch_norm_route's staged_h wrote it.
+// prefetch (optional): L2 prefetch hints for weights read after this op, issued by the kernel before its
+// wait and cleared (as launch_moe_fc2's).
 void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
                            const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
-                           StagedActs* staged = nullptr, const void* staged_x = nullptr);
+                           StagedActs* staged = nullptr, const void* staged_x = nullptr,
+                           PrefetchRanges* prefetch = nullptr);
 
 bool launch_moe_fc1_fp4_stream(const ExpertTable& t, const int32_t* ids, int64_t n_pairs, int top_k, const float* x,
                                Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,

@@ -862,7 +862,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stream_fc1_kernel(const __grid_constant__ ExpertTable tab, const RouteSrc routes, int top_k,
                       const float* __restrict__ x, Glu kind, float limit, float* __restrict__ act,
                       bool table_in_smem, uint16_t* __restrict__ staged, float stage_pre,
-                      const uint4* __restrict__ staged_x) {
+                      const uint4* __restrict__ staged_x, const __grid_constant__ PrefetchRanges prefetch) {
   static_assert(!(kStaged && kSplit), "staged x is one fp16 per activation");
   extern __shared__ uint4 planes[];  // the staged x; then, with table_in_smem, a copy of tab.rows
   stamp(kStampFc1, kAtEntry);
@@ -884,6 +884,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   // its wait (launch_moe_fc2's contract): routed ones are complete once we pass our wait; deferred ones
   // once block 0 has written and fenced them in map_experts, so the trigger follows that.
   const bool deferred = routes.lg.logits != nullptr;
+  // Weights of later ops (the next layer's attention projections) into L2 before the wait: DRAM is idle
+  // from here until our first weights go out, after the routes (launch_moe_fc1_logits' prefetch).
+  issue_l2_prefetch(prefetch, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   Held h;
   if constexpr (!kStaged) stage_index(1, tab.d_model, h);
   // The walk's constants and the first unit (divisions by d_expert) before the wait, too.
@@ -1220,7 +1223,8 @@ uint16_t* stage_for_fc2(StagedActs* st, int top_k, int d_expert, Glu glu, float 
 
 template <WKind K>
 void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu glu, float limit,
-         float* act, bool split, cudaStream_t s, StagedActs* st, const void* staged_x = nullptr) {
+         float* act, bool split, cudaStream_t s, StagedActs* st, const void* staged_x = nullptr,
+         const PrefetchRanges& prefetch = PrefetchRanges{}) {
   // Every warp the same number of row-pair units, on as many SMs as that allows: the fewest warps per block
   // whose grid of (nearly) full rounds still fits one block per SM (gpt-oss: 11520 pairs, 128 blocks x 15
   // warps x 6 rounds -- 90 units per SM; 16 warps took 120 blocks, 96 units per SM; 132 blocks x 16 left the
@@ -1242,7 +1246,7 @@ void fc1(const ExpertTable& t, const RouteSrc& r, int top_k, const float* x, Glu
           warps = w, grid = ceil_div(n_pairs, rounds * w);
       }
       launch_pdl(kernel, grid, warps * 32, smem, s, t, r, top_k, x, glu, limit, act, table_in_smem, staged, pre,
-                 static_cast<const uint4*>(staged_x));
+                 static_cast<const uint4*>(staged_x), prefetch);
     };
     if constexpr (!kSplit) {
       if (staged_x) return go(stream_fc1_kernel<K, NC, false, true>);
@@ -1347,14 +1351,16 @@ bool moe_fp4_stream_supports(const ExpertTable& t, int top_k, int n_experts) {
 
 void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k, int32_t* ids, float* weights,
                            const float* x, Glu glu, float limit, float* act, bool fp16_acts, cudaStream_t s,
-                           StagedActs* staged, const void* staged_x) {
+                           StagedActs* staged, const void* staged_x, PrefetchRanges* prefetch) {
   NB_CHECK(moe_fp4_stream_supports(t, top_k, r.n_experts) && r.logits && ids && weights,
            "moe_fc1: routes as logits need the one-token FP4 kernels");
   const RouteSrc src{ids, weights, r};
+  const PrefetchRanges pf = prefetch ? *prefetch : PrefetchRanges{};
   if (t.kind == WKind::kMXFP4)
-    fc1<WKind::kMXFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x);
+    fc1<WKind::kMXFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x, pf);
   else
-    fc1<WKind::kNVFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x);
+    fc1<WKind::kNVFP4>(t, src, top_k, x, glu, limit, act, !fp16_acts, s, staged, staged_x, pf);
+  if (prefetch) prefetch->n = 0;  // (issued by the kernel)
 }
 
 size_t staged_acts_bytes(int rows, int d_expert) { return size_t{16} * rows * hi_words(d_expert); }

@@ -23,7 +23,8 @@ void launch_l2_prefetch(const PrefetchRanges& r, cudaStream_t s);
 
 #ifdef __CUDACC__
 // Thread tid of n_threads: its share of r, one prefetch.global.L2 per 128-byte line (what the launch above
-// runs; kernels that have DRAM to spare call it themselves: the one-token MoE FC2, gemv_fp4_stream.cu).
+// runs; kernels that have DRAM to spare call it themselves: the one-token MoE FC1 before its wait, or FC2,
+// gemv_fp4_stream.cu).
 __device__ __forceinline__ void issue_l2_prefetch(const PrefetchRanges& r, uint32_t tid, uint32_t n_threads) {
   for (int i = 0; i < r.n; ++i)
     for (uint32_t off = tid * 128u; off < r.bytes[i]; off += n_threads * 128u)

@@ -610,7 +610,7 @@ Tensor CudaBackend::moe_experts_then_prefetch(const Tensor& x, const Routes& rou
   } clear{r};
   r.n = 0;
   for (const Weight* w : next) add_prefetch(*impl_, *w, r);
-  Tensor y = moe_experts(x, routes, ex, glu);  // a one-token FC2 issues r and clears it
+  Tensor y = moe_experts(x, routes, ex, glu);  // the one-token FC1 (deferred routes) or FC2 issues r, clears it
   cuda::launch_l2_prefetch(r, impl_->stream);  // (no-op when n == 0)
   return y;
 }
@@ -812,6 +812,11 @@ Routes CudaBackend::moe_route(const Tensor& logits, int top_k, RouterKind kind, 
 #define NIBBLE_STAGE_ACTS 1
 #endif
 constexpr bool kStageH = NIBBLE_STAGE_H, kStageActs = NIBBLE_STAGE_ACTS;
+// Which one-token MoE kernel issues moe_experts_then_prefetch's hints: FC1 before its wait (1, DRAM idle
+// then) or FC2 after its first weights (0). A compile definition, for measurements.
+#ifndef NIBBLE_PREFETCH_IN_FC1
+#define NIBBLE_PREFETCH_IN_FC1 1
+#endif
 
 NormRoutes CudaBackend::add_rms_norm_route(Tensor& x, const Tensor& y, const Tensor& norm, float eps,
                                            const Weight& router, const Tensor* router_bias, int top_k,
@@ -957,7 +962,7 @@ Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExpe
     cuda::launch_moe_fc1_logits(d.table, route_logits(routes), static_cast<int>(top_k), routes.ids.data<int32_t>(),
                                 routes.weights.data<float>(), x.data<float>(), g, glu.limit, act.data<float>(),
                                 impl_->options.gemm_fp16_activations, impl_->stream, kStageActs ? &d.staged : nullptr,
-                                impl_->take_staged_h(x));
+                                impl_->take_staged_h(x), NIBBLE_PREFETCH_IN_FC1 ? &impl_->fc2_prefetch : nullptr);
   } else {
     impl_->staged_h_of.reset();
     cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
