@@ -192,9 +192,10 @@ struct CudaBackend::Impl {
     staged_h_of.reset();
     return same ? staged_h : nullptr;
   }
-  // L2 prefetch hints handed to the next one-token MoE FC2 launch (moe_experts_then_prefetch): the kernel
-  // issues them and clears n; any left are launched as their own kernel after the experts.
-  cuda::PrefetchRanges fc2_prefetch;
+  // L2 prefetch hints handed to the next one-token MoE launch (moe_experts_then_prefetch): FC1 with deferred
+  // routes (before its wait: NIBBLE_PREFETCH_IN_FC1), else FC2; the kernel issues them and clears n; any left
+  // are launched as their own kernel after the experts.
+  cuda::PrefetchRanges moe_prefetch;
   // The ids of the last sample_async, [Backend::kKeptSampledRows]: a step's token -1 - j reads row j (the
   // embedding kernel, in stream order after the sampling that wrote them).
   int32_t* last_ids = nullptr;
@@ -603,7 +604,7 @@ void CudaBackend::prefetch(const Weight& w) {
 
 Tensor CudaBackend::moe_experts_then_prefetch(const Tensor& x, const Routes& routes, const MoeExperts& ex,
                                               const GluParams& glu, const std::vector<const Weight*>& next) {
-  cuda::PrefetchRanges& r = impl_->fc2_prefetch;
+  cuda::PrefetchRanges& r = impl_->moe_prefetch;
   struct Clear {
     cuda::PrefetchRanges& r;
     ~Clear() { r.n = 0; }  // (also when an op throws: no stale hints for a later FC2)
@@ -962,7 +963,7 @@ Tensor CudaBackend::moe_fc1(const Tensor& x, const Routes& routes, const MoeExpe
     cuda::launch_moe_fc1_logits(d.table, route_logits(routes), static_cast<int>(top_k), routes.ids.data<int32_t>(),
                                 routes.weights.data<float>(), x.data<float>(), g, glu.limit, act.data<float>(),
                                 impl_->options.gemm_fp16_activations, impl_->stream, kStageActs ? &d.staged : nullptr,
-                                impl_->take_staged_h(x), NIBBLE_PREFETCH_IN_FC1 ? &impl_->fc2_prefetch : nullptr);
+                                impl_->take_staged_h(x), NIBBLE_PREFETCH_IN_FC1 ? &impl_->moe_prefetch : nullptr);
   } else {
     impl_->staged_h_of.reset();
     cuda::launch_moe_fc1(d.table, routes.ids.data<int32_t>(), n_tokens * top_k, static_cast<int>(top_k),
@@ -986,7 +987,7 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   NB_CHECK(routes.logits.empty() || logits_routes(routes, d.table), "moe_fc2: deferred routes these kernels cannot take");
   cuda::launch_moe_fc2(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                        static_cast<int>(top_k), act.data<float>(), y.data<float>(),
-                       impl_->options.gemm_fp16_activations, impl_->stream, &impl_->fc2_prefetch,
+                       impl_->options.gemm_fp16_activations, impl_->stream, &impl_->moe_prefetch,
                        staged ? &d.staged : nullptr);
   return y;
 }
