@@ -1365,6 +1365,4 @@ void launch_moe_fc1_logits(const ExpertTable& t, const RouteLogits& r, int top_k
 
 size_t staged_acts_bytes(int rows, int d_expert) { return size_t{16} * rows * hi_words(d_expert); }
 
-
-
 }  // namespace nb::cuda

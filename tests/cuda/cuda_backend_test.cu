@@ -553,8 +553,10 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
       const std::vector<float> got_d = gpu_->to_host(gpu_->moe_experts(gpu_t(x, {T, d_model}), dr, gex, glu));
       const std::string what = "deferred routes, variant " + std::to_string(variant) + (fp16 ? " one fp16" : "");
       expect_close(got, got_d, {0.0f}, what);
-      // With prefetch hints: the FC1 kernel issues them before its wait (deferred routes) and clears them --
-      // hints only, the same bits (its prefetch argument shifts nothing else), and none left for the next call.
+      // With prefetch hints: the FC1 kernel issues them before its wait (deferred routes) -- hints only, the
+      // same bits (a wrong layout of its new kernel argument would shift the others and change or break the
+      // output), and the plain call right after still gives them. (That the hints are cleared is not visible
+      // in any output: nothing here can check it.)
       const std::vector<const Weight*> next = {&gex.fc1[0], &gex.fc2[E - 1]};
       expect_close(got, gpu_->to_host(gpu_->moe_experts_then_prefetch(gpu_t(x, {T, d_model}), dr, gex, glu, next)),
                    {0.0f}, "prefetching, " + what);
