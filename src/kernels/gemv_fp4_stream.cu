@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "backend/backend.h"  // kKvBlock
 #include "backend/cuda/cuda_check.h"
@@ -467,6 +468,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
     const float2 epi = op.epilogue(u);
     const float2 v = unit_dots<K, NC, kSplit>(cur, planes + static_cast<size_t>(op.xrow()) * words);
     op.finish(u, v.x, v.y, epi);
+    op.done();
     return;
   }
   Item nxt[NC];
@@ -495,6 +497,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   while (step(cur, nxt) && step(nxt, cur)) {
   }
 #endif
+  op.done();  // (ops that defer their finish: Fc1Op)
 }
 
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
@@ -528,6 +531,7 @@ struct LinearOp {
     const float pf = w.n_parts == 1 ? fp4_post(K, w.part[0]) : fp4_post(K, find_part(w, rr));
     y[r] = (lane ? v1 : v0) * unscale * pf + (lane ? b.y : b.x);
   }
+  __device__ void done() const {}
 };
 
 // kOneRound: as stream_qkv_kernel's (Qwen3-30B-A3B's QKV: 2560 row pairs, as gpt-oss's head).
@@ -651,6 +655,7 @@ struct QkvOp {
       store_kv(a.k_cache, base + half, y2);
     }
   }
+  __device__ void done() const {}
 };
 
 // Staging of h = rms_norm(x + y) * norm_w (one row of k <= kMaxK): thread i holds octets i + blockDim j of the
@@ -823,6 +828,10 @@ __device__ void map_experts(const RowMap* table, const RouteSrc& r, int top_k, b
 }
 
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
+// NIBBLE_FC1_DEFER=0 (a compile definition, for measurements) finishes each unit on lane 0 as it ends.
+#ifndef NIBBLE_FC1_DEFER
+#define NIBBLE_FC1_DEFER 1
+#endif
 template <WKind K>
 struct Fc1Op {
   static constexpr StampKind kStamp = kStampFc1;  // (measurement builds)
@@ -847,14 +856,38 @@ struct Fc1Op {
   __device__ float2 epilogue(Unit u) const {  // the gate and up biases
     return make_float2(map_bias(maps[0][u.i], u.j), map_bias(maps[1][u.i], u.j));
   }
-  __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
-    if ((threadIdx.x & 31) != 0) return;
-    const float gate = v0 * unscale * maps[0][u.i].post + b.x;
-    const float up = v1 * unscale * maps[1][u.i].post + b.y;
+  // The GLU and its stores, for pair p = i d_expert + j.
+  __device__ void glu_out(int p, int i, int j, float v0, float v1, float2 b) const {
+    const float gate = v0 * unscale * maps[0][i].post + b.x;
+    const float up = v1 * unscale * maps[1][i].post + b.y;
     const float a = glu_value(gate, up, kind == Glu::kGptOssInterleaved || kind == Glu::kGptOssHalves, limit);
-    act[static_cast<int64_t>(u.i) * tab.d_expert + u.j] = a;
-    if (staged) staged[staged_half(u.i, u.j, tab.d_expert)] = __half_as_ushort(__float2half_rn(a * stage_pre));
+    act[p] = a;
+    if (staged) staged[staged_half(i, j, tab.d_expert)] = __half_as_ushort(__float2half_rn(a * stage_pre));
   }
+#if NIBBLE_FC1_DEFER
+  // Deferred: lane n % 32 keeps the warp's unit n (its dots, biases and pair), and every 32 units, and after
+  // the last, each lane holding one finishes it -- all lanes at once. Finished per unit on lane 0, the GLU
+  // and the stores were ~70 of the walk's ~650 warp instructions per unit, with one lane working.
+  float held_v0 = 0.0f, held_v1 = 0.0f;
+  float2 held_b{};
+  int held_p = 0, held = 0;  // (held: warp-uniform)
+  __device__ void finish(Unit u, float v0, float v1, float2 b) {
+    if ((threadIdx.x & 31) == held) held_v0 = v0, held_v1 = v1, held_b = b, held_p = u.p;
+    if (++held == 32) done();
+  }
+  __device__ void done() {
+    if ((threadIdx.x & 31) < held) {
+      const int i = held_p / tab.d_expert;
+      glu_out(held_p, i, held_p - i * tab.d_expert, held_v0, held_v1, held_b);
+    }
+    held = 0;
+  }
+#else
+  __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
+    if ((threadIdx.x & 31) == 0) glu_out(u.p, u.i, u.j, v0, v1, b);
+  }
+  __device__ void done() const {}
+#endif
 };
 
 template <WKind K, int NC, bool kSplit, bool kStaged>
@@ -940,6 +973,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   stamp(kStampFc1, kAtWalked);
 }
 
+// NIBBLE_FC2_DEFER=0 (a compile definition, for measurements) combines each round as it ends.
+#ifndef NIBBLE_FC2_DEFER
+#define NIBBLE_FC2_DEFER 1
+#endif
+constexpr int kFc2Part = NIBBLE_FC2_DEFER ? 32 : 2;  // rounds of part
+
 // ---- MoE FC2 + combine: y[r] = sum_i weights[i] (fc2_{ids[i]}[r] . act[i] + bias), in choice order ----
 // The top_k warps of a group take the choices of one row pair each round (warp w: choice w % top_k), so
 // every warp has work (one pair's choices in sequence left a third of gpt-oss's warps idle); each writes its
@@ -954,7 +993,7 @@ struct Fc2Op {
   const ExpertTable& tab;
   const float* weights;
   const float* unscale;
-  float (*part)[kWarps][2];  // [2 rounds in turn][warp][row] in shared memory
+  float (*part)[kWarps][2];  // [kFc2Part rounds][warp][row] in shared memory
   float* y;
   int n_pairs, stride, real_pairs, top_k, choice, round = 0;  // a warp keeps its choice
   __device__ int xrow() const { return choice; }
@@ -968,13 +1007,47 @@ struct Fc2Op {
     const int p = min(u.p, real_pairs - 1);
     return make_float2(map_bias(maps[choice], 2 * p), map_bias(maps[choice], min(2 * p + 1, tab.d_model - 1)));
   }
+  // Row r's weighted value: the weight after the bias (formats.md §2.4).
+  __device__ float weighted(float v, float b) const {
+    return weights[choice] * (v * unscale[choice] * maps[choice].post + b);
+  }
+#if NIBBLE_FC2_DEFER
+  // Deferred, as Fc1Op's: lane n % 32 keeps the warp's round n (its dots, biases and pair); every 32 rounds,
+  // and after the last, every warp writes the rounds it holds to part[lane] and after a block barrier the
+  // groups' first warps add them -- one barrier per 32 rounds instead of one per round, and the sums on all
+  // lanes at once. Every warp walks the same rounds, so all arrive at the barriers together.
+  float held_v0 = 0.0f, held_v1 = 0.0f;
+  float2 held_b{};
+  int held_p = 0, held = 0;  // (held: warp-uniform)
+  __device__ void finish(Unit u, float v0, float v1, float2 b) {
+    if ((threadIdx.x & 31) == held) held_v0 = v0, held_v1 = v1, held_b = b, held_p = u.p;
+    if (++held == 32) done();
+  }
+  __device__ void done() {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, r = 2 * held_p;
+    const bool real = lane < held && held_p < real_pairs;
+    if (real) {
+      part[lane][warp][0] = weighted(held_v0, held_b.x);
+      if (r + 1 < n) part[lane][warp][1] = weighted(held_v1, held_b.y);
+    }
+    __syncthreads();
+    if (choice == 0 && real) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (r + q >= n) break;
+        float sum = 0.0f;
+        for (int c = 0; c < top_k; ++c) sum += part[lane][warp + c][q];
+        y[r + q] = sum;
+      }
+    }
+    __syncthreads();  // (part is written again by the next 32 rounds)
+    held = 0;
+  }
+#else
   __device__ void finish(Unit u, float v0, float v1, float2 b) {  // every warp of the block, every round
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, q = lane >> 4, r = 2 * u.p + q;
     float(&mine)[kWarps][2] = part[round & 1];
-    if ((lane & 15) == 0 && r < n && u.p < real_pairs) {
-      const float v = (q ? v1 : v0) * unscale[choice] * maps[choice].post;
-      mine[warp][q] = weights[choice] * (v + (q ? b.y : b.x));  // weight after the bias (formats.md §2.4)
-    }
+    if ((lane & 15) == 0 && r < n && u.p < real_pairs) mine[warp][q] = weighted(q ? v1 : v0, q ? b.y : b.x);
     __syncthreads();  // (the other buffer is written next round: one barrier per round suffices)
     if (choice == 0 && (lane & 15) == 0 && r < n && u.p < real_pairs) {
       float sum = 0.0f;
@@ -983,6 +1056,8 @@ struct Fc2Op {
     }
     ++round;
   }
+  __device__ void done() const {}
+#endif
 };
 
 template <WKind K, int NC, bool kSplit, bool kStaged>
@@ -997,7 +1072,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __shared__ StageShared ss;
   __shared__ RowMap maps[1][kMaxRows];
   __shared__ float s_weights[kMaxRows];
-  __shared__ float part[2][kWarps][2];
+  __shared__ float part[kFc2Part][kWarps][2];
   stage_zero(ss);  // (map_experts' barrier orders it before stage_max)
   const int warp = threadIdx.x >> 5, groups = (blockDim.x >> 5) / top_k, stride = gridDim.x * groups;
   const int real_pairs = (tab.d_model + 1) / 2;
@@ -1110,6 +1185,9 @@ const Device& device() {
     CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     r.warps = major >= 12 ? 8 : kWarpsSm90;
+    // NIBBLE_STREAM_SMS=n (tests): size the grids for at most n SMs, so that a warp walks many units (the
+    // deferred finishes' flush every 32 units runs; Model::load checks the value).
+    if (const char* e = std::getenv("NIBBLE_STREAM_SMS"); e && std::atoi(e) > 0) r.sms = std::min(r.sms, std::atoi(e));
     return r;
   }();
   return d;

@@ -56,7 +56,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA (the 2..8-token tensor-core
   // FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch), NIBBLE_DEFER_ROUTES (::defer_routes) and NIBBLE_FUSED_HEAD
-  // (::fused_head). (Values unused in a CPU-only build.)
+  // (::fused_head). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the one-token FP4 kernels' grids
+  // sized for at most that many SMs). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
@@ -69,6 +70,12 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* l2_prefetch, env_choice("NIBBLE_L2_PREFETCH", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* defer_routes, env_choice("NIBBLE_DEFER_ROUTES", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fused_head, env_choice("NIBBLE_FUSED_HEAD", "0", "1"));
+  if (const char* v = std::getenv("NIBBLE_STREAM_SMS")) {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || n < 1 || n > 100000)
+      return error(std::string("NIBBLE_STREAM_SMS=") + v + ": expected a positive SM count");
+  }
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).

@@ -169,6 +169,17 @@ def test_zero_one_env_is_checked(var):
         assert len(nibble(*args, env={var: ok}).stdout.split()) == 2
 
 
+def test_stream_sms_env_is_checked():
+    """NIBBLE_STREAM_SMS (a test switch: the one-token FP4 kernels' grids on at most that many SMs) takes a
+    positive count; anything else is a one-line error."""
+    model = ROOT / "models" / "default"
+    args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
+    for bad in ("0", "two", "2x", ""):
+        assert_one_line_error(nibble(*args, check=False, env={"NIBBLE_STREAM_SMS": bad}),
+                              f"NIBBLE_STREAM_SMS={bad}", "positive SM count")
+    assert len(nibble(*args, env={"NIBBLE_STREAM_SMS": "2"}).stdout.split()) == 2
+
+
 E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"
 
 
