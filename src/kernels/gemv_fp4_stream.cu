@@ -827,6 +827,21 @@ __device__ void map_experts(const RowMap* table, const RouteSrc& r, int top_k, b
   __syncthreads();
 }
 
+// A warp's units held for a deferred finish (Fc1Op, Fc2Op): lane n % 32 keeps unit n's two dots, biases and
+// pair, so that the op finishes up to 32 units on all lanes at once instead of each on one lane as it ends.
+struct HeldUnits {
+  float v0 = 0.0f, v1 = 0.0f;
+  float2 b{};
+  int p = 0;  // this lane's unit
+  int n = 0;  // units held (warp-uniform)
+  // u's values onto lane n; true once 32 are held (the op finishes them then, and sets n to 0).
+  __device__ bool hold(Unit u, float d0, float d1, float2 bias) {
+    if ((threadIdx.x & 31) == n) v0 = d0, v1 = d1, b = bias, p = u.p;
+    return ++n == 32;
+  }
+  __device__ bool mine() const { return (threadIdx.x & 31) < n; }
+};
+
 // ---- MoE FC1 + GLU: pair (choice i, output j) = gate row and up row of expert ids[i] ----
 // NIBBLE_FC1_DEFER=0 (a compile definition, for measurements) finishes each unit on lane 0 as it ends.
 #ifndef NIBBLE_FC1_DEFER
@@ -868,19 +883,16 @@ struct Fc1Op {
   // Deferred: lane n % 32 keeps the warp's unit n (its dots, biases and pair), and every 32 units, and after
   // the last, each lane holding one finishes it -- all lanes at once. Finished per unit on lane 0, the GLU
   // and the stores were ~70 of the walk's ~650 warp instructions per unit, with one lane working.
-  float held_v0 = 0.0f, held_v1 = 0.0f;
-  float2 held_b{};
-  int held_p = 0, held = 0;  // (held: warp-uniform)
+  HeldUnits held;
   __device__ void finish(Unit u, float v0, float v1, float2 b) {
-    if ((threadIdx.x & 31) == held) held_v0 = v0, held_v1 = v1, held_b = b, held_p = u.p;
-    if (++held == 32) done();
+    if (held.hold(u, v0, v1, b)) done();
   }
   __device__ void done() {
-    if ((threadIdx.x & 31) < held) {
-      const int i = held_p / tab.d_expert;
-      glu_out(held_p, i, held_p - i * tab.d_expert, held_v0, held_v1, held_b);
+    if (held.mine()) {
+      const int i = held.p / tab.d_expert;
+      glu_out(held.p, i, held.p - i * tab.d_expert, held.v0, held.v1, held.b);
     }
-    held = 0;
+    held.n = 0;
   }
 #else
   __device__ void finish(Unit u, float v0, float v1, float2 b) const {  // lane 0: both rows
@@ -1016,19 +1028,16 @@ struct Fc2Op {
   // and after the last, every warp writes the rounds it holds to part[lane] and after a block barrier the
   // groups' first warps add them -- one barrier per 32 rounds instead of one per round, and the sums on all
   // lanes at once. Every warp walks the same rounds, so all arrive at the barriers together.
-  float held_v0 = 0.0f, held_v1 = 0.0f;
-  float2 held_b{};
-  int held_p = 0, held = 0;  // (held: warp-uniform)
+  HeldUnits held;
   __device__ void finish(Unit u, float v0, float v1, float2 b) {
-    if ((threadIdx.x & 31) == held) held_v0 = v0, held_v1 = v1, held_b = b, held_p = u.p;
-    if (++held == 32) done();
+    if (held.hold(u, v0, v1, b)) done();
   }
   __device__ void done() {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, r = 2 * held_p;
-    const bool real = lane < held && held_p < real_pairs;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = tab.d_model, r = 2 * held.p;
+    const bool real = held.mine() && held.p < real_pairs;
     if (real) {
-      part[lane][warp][0] = weighted(held_v0, held_b.x);
-      if (r + 1 < n) part[lane][warp][1] = weighted(held_v1, held_b.y);
+      part[lane][warp][0] = weighted(held.v0, held.b.x);
+      if (r + 1 < n) part[lane][warp][1] = weighted(held.v1, held.b.y);
     }
     __syncthreads();
     if (choice == 0 && real) {
@@ -1041,7 +1050,7 @@ struct Fc2Op {
       }
     }
     __syncthreads();  // (part is written again by the next 32 rounds)
-    held = 0;
+    held.n = 0;
   }
 #else
   __device__ void finish(Unit u, float v0, float v1, float2 b) {  // every warp of the block, every round
