@@ -31,6 +31,8 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 // otherwise. NIBBLE_FP4_STREAM=0 turns them off (benchmark knob; the tests' second run).
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               bool fp16_acts, cudaStream_t s);
+// The SM count those kernels size their grids for: the device's, or fewer under NIBBLE_STREAM_SMS=n (tests).
+int stream_grid_sms();
 
 // An attention block's head at one token in one launch (gemv_fp4_stream.cu): h = rms_norm(x + y) * norm_w
 // (y null: rms_norm(x); else block 0 writes x + y to x_out, another buffer), qkv = w h + bias, then as

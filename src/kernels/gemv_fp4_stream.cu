@@ -497,7 +497,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
   while (step(cur, nxt) && step(nxt, cur)) {
   }
 #endif
-  op.done();  // (ops that defer their finish: Fc1Op)
+  op.done();  // (ops that defer their finish: Fc1Op, Fc2Op)
 }
 
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
@@ -1379,6 +1379,8 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 }
 
 }  // namespace
+
+int stream_grid_sms() { return device().sms; }
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
                               bool fp16_acts, cudaStream_t s) {

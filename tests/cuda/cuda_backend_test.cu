@@ -19,6 +19,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "kernels/gemv.cuh"
 #include "kernels/moe.cuh"
 #include "formats/scalar.h"
 #include "model/rope.h"
@@ -466,6 +467,10 @@ TEST_F(CudaOps, MoeRouteAndExperts) {
   // one-token variants run again with one fp16 per activation (x, then the GLU output): two roundings of
   // <= 2^-11 relative entering sums of random-sign terms, bounded as gemm_cuda_test bounds them, by 64 of
   // those at the output's scale (the GLU slopes stay below ~4 here).
+  // Under NIBBLE_STREAM_SMS=n (ctest cuda_backend_test_few_sms) the one-token kernels' grids take at most n
+  // SMs, so that the deferred finishes' flush every 32 units runs: the switch must have taken effect.
+  if (const char* e = std::getenv("NIBBLE_STREAM_SMS"))
+    ASSERT_LE(cuda::stream_grid_sms(), std::atoi(e)) << "NIBBLE_STREAM_SMS=" << e << " not applied";
   for (int run = 0; run < 10; ++run) {
     const bool fp16 = run >= 7;
     const int variant = fp16 ? std::array{0, 5, 6}[run - 7] : run;
