@@ -75,9 +75,11 @@ fi
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
 #   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS}
 #           and pp2048 of both gpt-oss configs
+#   tgenv   tg128 (all-MXFP4) once per setting in NIBBLE_TG_ENVS (e.g. "NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=1"),
+#           alternating, NIBBLE_TG_ROUNDS rounds (default 2): a switch's A/B in one build
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
-#           (tools/bench/decode_timeline.py); not in the default list
+#           (tools/bench/decode_timeline.py); NIBBLE_PROFILE_ENVS: one run per setting; not in the default list
 bench() {  # name, timeout, command...
   local name=$1 limit=$2
   shift 2
@@ -127,9 +129,23 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
         g++ -shared -fPIC -O2 tools/bench/kernel_trace.cc -I"$cuda/include" -I"$cuda/extras/CUPTI/include" \
           -L"$cupti" -lcupti -Wl,-rpath,"$cupti" -o /tmp/prof/libkernel_trace.so
         for m in ${NIBBLE_PROFILE_MODELS:-gpt-oss-120b}; do
-          NIBBLE_TRACE_CSV=/tmp/prof/$m.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench --pp '' \
-            --dense-formats "${NIBBLE_PROFILE_FORMAT:-mxfp4}" "configs/$m" 2>&1 | grep -E "kernel_trace|tok/s|\| configs"
-          bench "profile_$m" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$m.csv
+          for e in ${NIBBLE_PROFILE_ENVS:--}; do  # e.g. "NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=1": one run each
+            tag=$m${e#-}; tag=${tag//=/_}
+            echo "== profile $m ${e#-}"
+            env ${e#-} NIBBLE_TRACE_CSV=/tmp/prof/$tag.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench \
+              --pp '' --dense-formats "${NIBBLE_PROFILE_FORMAT:-mxfp4}" "configs/$m" 2>&1 | grep -E "kernel_trace|tok/s|\| configs"
+            bench "profile_$tag" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$tag.csv
+          done
+        done ;;
+      tgenv)  # tg128 (all-MXFP4) per NIBBLE_TG_ENVS setting, alternating for NIBBLE_TG_ROUNDS rounds: an A/B of a switch
+        for r in $(seq "${NIBBLE_TG_ROUNDS:-2}"); do
+          for e in ${NIBBLE_TG_ENVS:--}; do
+            tag=${e#-}; tag=${tag//=/_}
+            echo "== round $r ${e#-}"
+            bench "e2e_env_${tag}_$r" 150 env ${e#-} "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
+              configs/gpt-oss-20b configs/gpt-oss-120b >/dev/null
+            grep -E "^\| configs" "$OUT/e2e_env_${tag}_$r.md"
+          done
         done ;;
     esac
   done

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device.h"
 #include "model/model.h"
 #include "support/golden.h"
@@ -131,14 +132,16 @@ TEST_P(GoldenCuda, GreedyWithKvCache) {
 }
 
 // The decode loop of async scheduling: each step queued before the previous step's ids are read, its tokens
-// named by their rows in those ids (-1 - row, read on the device by the embedding inside the step's CUDA graph)
-// gives the ids of the synchronous loop with the ids sent back from the host; two sequences, so the rows
-// matter, and enough steps for the graph's eager run, capture and replays.
+// named by their rows in those ids (-1 - row, read on the device by the embedding inside the step's CUDA graph),
+// gives the ids of a loop that copies the logits to the host, samples them on a separate backend and sends the
+// ids back. Two sequences, so the rows matter: row 0 greedy, row 1 drawn (temperature, top-p, a new u every
+// step); the last steps all greedy (without the draw's kernel); enough steps for the graph's eager run, capture
+// and replays.
 TEST_P(GoldenCuda, QueuedStepsReadTheirTokensOnTheDevice) {
   const std::vector<int32_t> prompt = ref_["greedy"]["prompt"].get<std::vector<int32_t>>();
   const int32_t n0 = static_cast<int32_t>(prompt.size()), n1 = std::max<int32_t>(1, n0 / 2);
   const std::vector<int32_t> t0 = {0, 1, 2, 3}, t1 = {4, 5, 6, 7};
-  constexpr int kSteps = 12;
+  constexpr int kSteps = 14, kDrawnSteps = 9;
   auto first = [&] {
     Batch b{prompt, {{t0, 0, n0, false}, {t1, 0, n1, false}}};
     b.tokens.insert(b.tokens.end(), prompt.rbegin(), prompt.rbegin() + n1);  // the second prompt: reversed
@@ -147,32 +150,47 @@ TEST_P(GoldenCuda, QueuedStepsReadTheirTokensOnTheDevice) {
   auto next = [&](int step, std::vector<int32_t> tokens) {
     return Batch{std::move(tokens), {{t0, n0 + step, 1, false}, {t1, n1 + step, 1, false}}};
   };
-  const std::vector<SampleSpec> greedy(2);
-  std::vector<int32_t> sync_ids, queued_ids;
+  auto specs_at = [&](int step) {  // step -1: the prompt's
+    std::vector<SampleSpec> s(2);
+    if (step < kDrawnSteps) s[1] = SampleSpec{0.9f, 0.95f, 0, 0.0f, std::fmod(0.37 * (step + 2), 1.0)};
+    return s;
+  };
+  auto sampler = CudaBackend::create(CudaBackendOptions{});
+  ASSERT_TRUE(sampler.ok()) << sampler.status().message();
+  std::vector<int32_t> host_ids, queued_ids;
+  int not_argmax = 0;  // row 1's draws that are not its argmax (reported: the draw's kernel made a difference)
   {
     auto cache = model_->new_kv_cache(8);
-    auto ids = model_->forward_sampled(first(), *cache, greedy);
-    for (int step = 0; ids.ok() && step < kSteps; ++step) {
-      sync_ids.insert(sync_ids.end(), ids->begin(), ids->end());
-      ids = model_->forward_sampled(next(step, *ids), *cache, greedy);
+    auto sample = [&](const Batch& b, int step) {
+      auto logits = model_->forward(b, *cache);
+      EXPECT_TRUE(logits.ok()) << logits.status().message();
+      const Tensor l = (*sampler)->upload(TensorView{logits->data(), DType::kF32, {2, vocab_}, Device::kCpu});
+      std::vector<int32_t> ids = (*sampler)->sample(l, specs_at(step));
+      not_argmax += ids[1] != std::max_element(logits->begin() + vocab_, logits->end()) - (logits->begin() + vocab_);
+      return ids;
+    };
+    std::vector<int32_t> ids = sample(first(), -1);
+    for (int step = 0; step < kSteps; ++step) {
+      host_ids.insert(host_ids.end(), ids.begin(), ids.end());
+      ids = sample(next(step, ids), step);
     }
-    ASSERT_TRUE(ids.ok()) << ids.status().message();
   }
   {
     auto cache = model_->new_kv_cache(8);
-    ASSERT_TRUE(model_->enqueue_sampled(first(), *cache, greedy).ok());
+    ASSERT_TRUE(model_->enqueue_sampled(first(), *cache, specs_at(-1)).ok());
     for (int step = 0; step < kSteps; ++step) {
-      ASSERT_TRUE(model_->enqueue_sampled(next(step, {-1, -2}), *cache, greedy).ok());
+      ASSERT_TRUE(model_->enqueue_sampled(next(step, {-1, -2}), *cache, specs_at(step)).ok());
       const std::vector<int32_t> ids = model_->wait_sampled();
       queued_ids.insert(queued_ids.end(), ids.begin(), ids.end());
     }
     model_->wait_sampled();
     // A row the last step did not sample is refused, naming it.
-    auto bad = model_->forward_sampled(next(kSteps, {-1, -3}), *cache, greedy);
+    auto bad = model_->forward_sampled(next(kSteps, {-1, -3}), *cache, specs_at(kSteps));
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.status().message().find("names row 2"), std::string::npos) << bad.status().message();
   }
-  EXPECT_EQ(queued_ids, sync_ids);
+  EXPECT_EQ(queued_ids, host_ids);
+  std::printf("%s cuda, queued steps: %d of %d draws not the argmax\n", GetParam().c_str(), not_argmax, kDrawnSteps + 1);
 }
 
 // The tiled prefill attention for every step (one-token steps included): one batch, chunks of many sizes
