@@ -431,6 +431,9 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
       {WeightFormat::kNVFP4, 1, 32, 1, 0.05f},    {WeightFormat::kNVFP4, 3000, 1024, 2, 40.0f},
       // Qwen3-30B-A3B's QKV (2560 row pairs): the one-round grid on a 132-SM GPU (stream_linear_kernel).
       {WeightFormat::kMXFP4, 5120, 2048, 1, 0.05f}, {WeightFormat::kNVFP4, 5120, 2048, 3, 0.05f},
+      // One part, an even row count (LinearOp::flat: a pair's rows from pair 0's by one multiply-add), pairs past
+      // one round of the grid (more under NIBBLE_STREAM_SMS, ctest cuda_backend_test_few_sms).
+      {WeightFormat::kMXFP4, 4354, 1024, 1, 0.05f}, {WeightFormat::kNVFP4, 4354, 1024, 1, 0.05f},
   };
   // Both activation modes: hi + lo (exact products: the summation bound) and one fp16 (its rounding,
   // <= 2^-11 relative per element, added to the bound).
