@@ -75,8 +75,9 @@ fi
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
 #   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS}
 #           and pp2048 of both gpt-oss configs
-#   tgenv   tg128 (all-MXFP4) once per setting in NIBBLE_TG_ENVS (e.g. "NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=1"),
-#           alternating, NIBBLE_TG_ROUNDS rounds (default 2): a switch's A/B in one build
+#   tgenv   tg128 once per setting in NIBBLE_TG_ENVS (e.g. "- NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=0,NIBBLE_FUSED_HEAD=0":
+#           the defaults, one switch, two at once), alternating, NIBBLE_TG_ROUNDS rounds (default 2), dense formats
+#           NIBBLE_TG_FORMATS (default mxfp4): a switch's A/B in one build
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
 #           (tools/bench/decode_timeline.py); NIBBLE_PROFILE_ENVS: one run per setting; not in the default list
@@ -137,13 +138,13 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
             bench "profile_$tag" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$tag.csv
           done
         done ;;
-      tgenv)  # tg128 (all-MXFP4) per NIBBLE_TG_ENVS setting, alternating for NIBBLE_TG_ROUNDS rounds: an A/B of a switch
+      tgenv)  # tg128 per NIBBLE_TG_ENVS setting, alternating for NIBBLE_TG_ROUNDS rounds: an A/B of a switch
         for r in $(seq "${NIBBLE_TG_ROUNDS:-2}"); do
-          for e in ${NIBBLE_TG_ENVS:--}; do
-            tag=${e#-}; tag=${tag//=/_}
-            echo "== round $r ${e#-}"
-            bench "e2e_env_${tag}_$r" 150 env ${e#-} "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
-              configs/gpt-oss-20b configs/gpt-oss-120b >/dev/null
+          for e in ${NIBBLE_TG_ENVS:--}; do  # (A=0,B=1: both at once)
+            v=${e#-}; tag=${v//=/_}; tag=${tag//,/_}
+            echo "== round $r $v"
+            bench "e2e_env_${tag}_$r" 150 env ${v//,/ } "$B"/src/nibble_e2e_bench --pp '' \
+              --dense-formats "${NIBBLE_TG_FORMATS:-mxfp4}" configs/gpt-oss-20b configs/gpt-oss-120b >/dev/null
             grep -E "^\| configs" "$OUT/e2e_env_${tag}_$r.md"
           done
         done ;;
