@@ -65,10 +65,11 @@ class GptOss final : public Model {
       // x += o, h = its norm, and the top-k of the router's logits for h, in one op.
       NormRoutes m = be.add_rms_norm_route(x, o, L.mlp_norm, c.rms_norm_eps, L.router, &L.router_bias, c.top_k,
                                            RouterKind::kTopKThenSoftmax, /*renormalize=*/false);
-      // Decode: the next attention projections' weights stream into L2 while DRAM is idle (the CUDA backend
-      // issues them from the FC1 kernel before its wait, during this layer's norm and routes -- from FC2 they
-      // competed with FC2's own weights: measured; a prefetch launch of their own after FC2, or
-      // O's after the QKV kernel, sat on the step's critical path: measured).
+      // Decode: the next attention projections' weights as L2 prefetch hints (the CUDA backend issues them
+      // from the FC1 kernel before its wait, during this layer's norm and routes -- from FC2 they competed
+      // with FC2's own weights: measured; a prefetch launch of their own after FC2, or O's after the QKV
+      // kernel, sat on the step's critical path: measured). Only with NIBBLE_L2_PREFETCH=1: at short contexts
+      // they now cost more than they save (CudaBackendOptions::l2_prefetch).
       std::vector<const Weight*> next;
       if (T == 1 && l + 1 < c.n_layers) next = {&layers_[l + 1].attn.qkv, &layers_[l + 1].attn.o};
       y = be.moe_experts_then_prefetch(m.h, m.routes, L.experts, {Activation::kGptOssClamped, c.swiglu_limit},

@@ -124,6 +124,7 @@ class CudaOps : public ::testing::Test {
     o.poison = true;
     o.kv_cache_dtype = kv_cache;
     o.gemm_fp16_activations = fp16_acts;
+    o.l2_prefetch = true;  // (off by default: on here, so that the kernels' prefetch hints stay tested)
     auto g = CudaBackend::create(o);
     if (!g.ok()) return false;
     gpu_ = std::move(g.value());

@@ -44,8 +44,11 @@ struct CudaBackendOptions {
   // only): -1 where its 128 x 256 blocks fill the GPU or, from 512 tokens, a third of it, 0 never (the
   // wgmma tile), 1 from 256 tokens on (tests). NIBBLE_GEMM_WS=0|1.
   int gemm_ws = -1;
-  // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=0 makes it a no-op: a benchmark baseline).
-  bool l2_prefetch = true;
+  // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=1). Off by default since the twenty-first
+  // session (H200, tg128 at a 64-token context: off +1.2 % gpt-oss-120b, +0.6 % 20b all-MXFP4, +0.5-1.1 % FP8,
+  // `keep` neutral; after a 4096-token prompt the 20b 0.7 % slower off): the 14 MB of the next layer's QKV and
+  // O that FC1 prefetched delayed its own weights more than they saved the small projections (bench/NOTES.md).
+  bool l2_prefetch = false;
   // add_rms_norm_route at one token defers the expert selection to the MoE kernels (Routes::logits;
   // NIBBLE_DEFER_ROUTES=0: the norm_route kernel selects them, a benchmark baseline).
   bool defer_routes = true;
