@@ -501,7 +501,7 @@ __device__ __forceinline__ void walk(Op& op, int k, const uint4* planes, Unit u,
 }
 
 // ---- Linear: y[r] = w[r] . x (+ bias[r]) ----
-template <WKind K>
+template <WKind K, bool kFlat>
 struct LinearOp {
   static constexpr StampKind kStamp = kStampLinear;  // (measurement builds)
   __device__ bool stamped() const { return stamps_linear(w); }
@@ -514,13 +514,14 @@ struct LinearOp {
   // (two rows of k / 2) and p 2 k / kBs scale bytes, a 32 x 32 -> 64-bit multiply-add per pointer (a part's
   // codes are < 4 GiB: launch_linear_fp4_stream checks), no clamp of the second row. The lm_head walk executes
   // 548 instructions per unit instead of 560 (sm_90a SASS), and it is bound by them: H200, MXFP4 80.6 -> 80.1
-  // us, NVFP4 86.8 -> 85.7 us. Not at NC = 4: the NVFP4 O kernel (one unit per warp) spilled 12 bytes and lost 2 %.
+  // us, NVFP4 86.8 -> 85.7 us. Not at NC = 4 (kFlat false: not compiled): the NVFP4 O kernel (one unit per
+  // warp) spilled 12 bytes and lost 2 %.
   bool flat;
   Rows pair0;  // (flat) this lane's rows 0 and 1
   __device__ int xrow() const { return 0; }
   __device__ Unit next(Unit u) const { return Unit{u.p + stride, 0, u.p + stride}; }
   __device__ Rows rows(Unit u) const {
-    if (flat) {
+    if (kFlat && flat) {
       const uint32_t p = u.p, code_step = w.k, scale_step = 2 * w.k / Fmt<K>::kBs;
       Rows r;
 #pragma unroll
@@ -563,8 +564,9 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   __syncthreads();
   // (The host launches exactly Device::warps warps per block, or the one-round count.)
   const int nw = kOneRound ? static_cast<int>(blockDim.x >> 5) : kBlockThreads / 32;
-  const bool flat = NC <= 3 && w.n_parts == 1 && w.n % 2 == 0;  // (LinearOp::flat)
-  LinearOp<K> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw, flat,
+  constexpr bool kFlat = NC <= 3;
+  const bool flat = kFlat && w.n_parts == 1 && w.n % 2 == 0;  // (LinearOp::flat)
+  LinearOp<K, kFlat> op{w, bias, y, 0.0f, (w.n + 1) / 2, static_cast<int>(gridDim.x) * nw, flat,
                  flat ? lane_rows<K>(w.part[0], 0, w.part[0], 1, w.k) : Rows{}};
   const int p0 = static_cast<int>(blockIdx.x) * nw + static_cast<int>(threadIdx.x >> 5);
   const Unit first{p0, 0, p0};
@@ -586,7 +588,7 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   op.unscale = ss.unscale[0];
   if (stamped) stamp(kStampLinear, kAtStaged);
   if (stamped) stamp_after(kStampLinear, kAtLoaded, cur[0].a.x);
-  if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K>, kOneRound>(op, w.k, planes, first, cur);
+  if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K, kFlat>, kOneRound>(op, w.k, planes, first, cur);
   if (stamped) stamp(kStampLinear, kAtWalked);
 }
 
