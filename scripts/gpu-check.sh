@@ -130,10 +130,10 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
         g++ -shared -fPIC -O2 tools/bench/kernel_trace.cc -I"$cuda/include" -I"$cuda/extras/CUPTI/include" \
           -L"$cupti" -lcupti -Wl,-rpath,"$cupti" -o /tmp/prof/libkernel_trace.so
         for m in ${NIBBLE_PROFILE_MODELS:-gpt-oss-120b}; do
-          for e in ${NIBBLE_PROFILE_ENVS:--}; do  # e.g. "NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=1": one run each
-            tag=$m${e#-}; tag=${tag//=/_}
-            echo "== profile $m ${e#-}"
-            env ${e#-} NIBBLE_TRACE_CSV=/tmp/prof/$tag.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench \
+          for e in ${NIBBLE_PROFILE_ENVS:--}; do  # as NIBBLE_TG_ENVS (tgenv below): one run each
+            v=${e#-}; tag=$m${v//=/_}; tag=${tag//,/_}
+            echo "== profile $m $v"
+            env ${v//,/ } NIBBLE_TRACE_CSV=/tmp/prof/$tag.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench \
               --pp '' --dense-formats "${NIBBLE_PROFILE_FORMAT:-mxfp4}" "configs/$m" 2>&1 | grep -E "kernel_trace|tok/s|\| configs"
             bench "profile_$tag" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$tag.csv
           done

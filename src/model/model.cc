@@ -55,8 +55,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // (the one-token FP4 kernels' one-round grids, read by their launchers), NIBBLE_ATTN_KEYS
   // (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA (the 2..8-token tensor-core
   // FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
-  // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes) and NIBBLE_FUSED_HEAD
-  // (::fused_head). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the one-token FP4 kernels' grids
+  // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes)
+  // and NIBBLE_FUSED_HEAD (::fused_head). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the one-token FP4 kernels' grids
   // sized for at most that many SMs). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
