@@ -1,15 +1,18 @@
-// Dense FP4 GEMM (see gemm_fp4.cuh; the tiles in gemm_fp4_tile.cuh, gemm_fp4_wgmma.cuh, gemm_fp4_ws.cuh) and
-// the fp32 -> fp16 activation conversion that every tensor-core GEMM here reads. Grid: x over 128-column
-// weight tiles, y over BM-row token tiles (the warp-specialized tile: one persistent block per SM). The
-// heuristics: the tile height (pick_bm) and where the warp-specialized tile runs (gemm_tiled).
+// Dense FP4 GEMM (see gemm_fp4.cuh; the tiles in gemm_fp4_tile.cuh, gemm_fp4_wgmma.cuh, gemm_fp4_ws.cuh,
+// gemm_fp4_wsp.cuh) and the fp32 -> fp16 activation conversion that every tensor-core GEMM here reads. Grid: x
+// over 128-column weight tiles, y over BM-row token tiles (the warp-specialized tiles: one persistent block
+// per SM). The heuristics: the tile height (pick_bm) and where a warp-specialized tile runs (gemm_tiled).
 #include "kernels/gemm_fp4.cuh"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
 #include "kernels/gemm_fp4_wgmma.cuh"
 #include "kernels/gemm_fp4_ws.cuh"
+#include "kernels/gemm_fp4_wsp.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -276,6 +279,37 @@ __global__ void __launch_bounds__(kThreads, DenseTile<K, BM, kSplit>::kLaunchMin
   });
 }
 
+// The portable warp-specialized tile (gemm_fp4_wsp.cuh), persistent: one block per SM walks tiles of 128 weight
+// rows x 128 tokens; warps 0-3 multiply, 4-7 copy the activations (GemmActivations::tiled, mp rows) and decode
+// the weights (R: their code ring's depth, ws::ring_for). S stages.
+template <WKind K, int R, int S>
+__global__ void __launch_bounds__(wsp::kThreads, 1) gemm_fp4_wsp_kernel(const __grid_constant__ DevWeight w,
+                                                                        const uint8_t* __restrict__ a_tiles,
+                                                                        const float* __restrict__ unscale, int64_t mp,
+                                                                        int m, const float* __restrict__ bias,
+                                                                        float* __restrict__ y) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[(S + 1) * wsp::kBM];
+  using Pipe = wsp::Pipe<S>;
+  const int tid = threadIdx.x;
+  const Pipe p{smem, bars, bars + S, us};
+  const int col_tiles = (w.n + wsp::kBN - 1) / wsp::kBN;
+  const wsp::Sched sc{col_tiles, col_tiles * ((m + wsp::kBM - 1) / wsp::kBM), (w.k + wsp::kBK - 1) / wsp::kBK};
+  if (tid < S) {
+    wsp::mbar_init(p.full + tid, Pipe::kFullCount);
+    wsp::mbar_init(p.empty + tid, Pipe::kEmptyCount);
+  }
+  __syncthreads();
+  if (tid >= wsp::kMulThreads) return wsp::decoder<K, R, S>(p, sc, w, a_tiles, mp, unscale, m);
+  wsp::Acc acc;
+  for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
+    const int tile = sc.tile(it), m0 = sc.m0(tile);
+    wsp::multiply_tile<S>(p, sc, g, acc);
+    wsp::epilogue<K>(acc, w, p.tile_unscale(it), bias, y, sc.n0(tile), m0, min(wsp::kBM, m - m0));
+  }
+}
+
 // The current device's SM count (the grids below are sized by it).
 int sm_count() {
   int device = 0, sms = 0;
@@ -340,10 +374,52 @@ void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const 
   }
 }
 
+// The portable tile's stages: 4 where a block may have the shared memory (sm_90: 227 KiB), else 2 (sm_12x, GB10:
+// 99 KiB). NIBBLE_WSP_STAGES=2 runs GB10's depth on an H200 (measurement only).
+int wsp_stages() {
+  static const int stages = [] {
+    if (const char* e = std::getenv("NIBBLE_WSP_STAGES"); e && std::string(e) == "2") return 2;
+    int device = 0, optin = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int static_bytes = 2 * 4 * 8 + 5 * wsp::kBM * 4;  // the kernel's barriers and token scales at S = 4
+    return optin >= wsp::smem_bytes(4, ws::kMaxRing) + static_bytes ? 4 : 2;
+  }();
+  return stages;
+}
+
+template <WKind K, int R, int S>
+void gemm_wsp_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  auto kernel = gemm_fp4_wsp_kernel<K, R, S>;
+  const int smem = wsp::smem_bytes(S, R);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, wsp::kBN)) * ceil_div(m, wsp::kBM);
+  kernel<<<static_cast<int>(std::min<int64_t>(tiles, sm_count())), wsp::kThreads, smem, s>>>(
+      w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <WKind K, int S>
+void gemm_wsp_stages(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  switch (ws::ring_for(ceil_div(w.k, wsp::kBK))) {
+    case 5: return gemm_wsp_launch<K, 5, S>(w, a, m, bias, y, s);
+    case 4: return gemm_wsp_launch<K, 4, S>(w, a, m, bias, y, s);
+    case 3: return gemm_wsp_launch<K, 3, S>(w, a, m, bias, y, s);
+    case 2: return gemm_wsp_launch<K, 2, S>(w, a, m, bias, y, s);
+    default: return gemm_wsp_launch<K, 1, S>(w, a, m, bias, y, s);
+  }
+}
+
+template <WKind K>
+void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  if (wsp_stages() == 4) return gemm_wsp_stages<K, 4>(w, a, m, bias, y, s);
+  return gemm_wsp_stages<K, 2>(w, a, m, bias, y, s);
+}
+
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
-  if (a.tiled) return gemm_ws_for<K>(w, a, m, bias, y, s);
+  if (a.tiled) return a.wgmma ? gemm_ws_for<K>(w, a, m, bias, y, s) : gemm_wsp_for<K>(w, a, m, bias, y, s);
   if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
     if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
     if (pick_bm(m, w.n) == 128) return gemm_wgmma_for<K, 128, false>(w, a, m, bias, y, s);
@@ -378,7 +454,9 @@ bool gemm_wgmma() {
 }
 
 bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
-  if (policy == 0 || mode != GemmActs::kFp16 || m < ws::kBM || !gemm_wgmma()) return false;
+  if (policy == 0 || mode != GemmActs::kFp16) return false;
+  if (!gemm_wgmma()) return m >= wsp::kBM;  // the portable warp-specialized tile (gemm_fp4_wsp.cuh)
+  if (m < ws::kBM) return false;
   if (policy == 1) return true;
   // Where its grid fills the GPU; and from two token tiles on, down to a grid of a third of the SMs, where it
   // still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on 46; bench/NOTES.md,

@@ -30,8 +30,8 @@ bool gemm_wgmma();
 // The fp16 form of activations: hi, lo [rows, ld] (lo unused for kFp16), unscale [rows] = the power of two
 // that undoes the row's scaling. The k order is the tile's: for the portable tile every 8 elements as
 // 0,4,1,5,2,6,3,7 with ld = k; for the wgmma tile its stored order (gemm_fp4_wgmma.cuh stored_of) with k
-// padded to whole 64-wide k-tiles (zeros), ld = padded k. tiled (the warp-specialized sm_90a tile,
-// gemm_fp4_ws.cuh; one fp16 only): hi holds 8 x 8 core matrices per (k-tile, 8 rows), rows padded to mp
+// padded to whole 64-wide k-tiles (zeros), ld = padded k. tiled (the warp-specialized tiles, sm_90a's
+// gemm_fp4_ws.cuh and the portable gemm_fp4_wsp.cuh; one fp16 only): hi holds 8 x 8 core matrices per (k-tile, 8 rows), rows padded to mp
 // (ws::chunk_of), ld unused.
 struct GemmActivations {
   __half* hi = nullptr;
@@ -43,9 +43,11 @@ struct GemmActivations {
   int64_t mp = 0;  // tiled: rows padded to whole token tiles
 };
 
-// Whether launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on the warp-specialized sm_90a tile
-// (gemm_fp4_ws.cuh), which needs its activations tiled. policy: -1 when its grid fills the GPU or, from m >=
-// 512, a third of it; 0 never, 1 whenever it can (sm_90a, one fp16, m >= 256); CudaBackendOptions::gemm_ws.
+// Whether launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on a warp-specialized tile, which needs its
+// activations tiled (one fp16 only). With the wgmma tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_ws.cuh),
+// policy -1 when its grid fills the GPU or, from m >= 512, a third of it; 0 never, 1 whenever it can (m >=
+// 256). Otherwise the portable tile (gemm_fp4_wsp.cuh): policy -1 or 1 from m >= 128, 0 never (the block
+// tile). CudaBackendOptions::gemm_ws.
 bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy);
 
 // Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).

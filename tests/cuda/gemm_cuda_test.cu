@@ -135,7 +135,7 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
       {WeightFormat::kNVFP4, 136, 4096, 1, false, {70, 300}},
       {WeightFormat::kMXFP4, 136, 4160, 1, false, {70, 300}},
   };
-  std::printf("one-fp16 GEMMs of >= 256 tokens on the warp-specialized sm_90a tile: %s\n",
+  std::printf("one-fp16 GEMMs of >= 256 tokens on a warp-specialized tile (sm_90a or portable): %s\n",
               cuda::gemm_tiled(300, 130, cuda::GemmActs::kFp16, ws_policy_) ? "yes" : "no");
   for (const Case& c : cases) {
     const Weight w = make_fp4(hb_, c.f, c.n, c.k, c.parts, c.extreme);

@@ -1,0 +1,275 @@
+// The portable warp-specialized, persistent tile of the dense prefill FP4 GEMM: y[tokens, weight rows] =
+// A x W^T with W in MXFP4/NVFP4 as the checkpoint stores it, on mma.sync m16n8k16 with both operands read
+// from shared memory by ldmatrix. sm_80-era instructions (cp.async, ldmatrix, mma.sync, mbarrier) plus
+// mbarrier.try_wait (every arch this project builds: sm_90a, sm_120a, sm_121a), so GB10 runs it.
+//
+// Why a second portable tile. The block tile (gemm_fp4_tile.cuh) has every warp decode a share of the next
+// weight tile between its MMAs and meet a block barrier per k-step: with 4 warps per scheduler, each waiting
+// on its ldmatrix results and on the barrier, its issue slots were 37 % busy and a scheduler issued one HMMA per
+// ~18 cycles where mma.sync's peak is one per ~7 (bench/NOTES.md, fourteenth session). Here the roles are split, as in the sm_90a
+// warp-specialized tile (gemm_fp4_ws.cuh, whose decoder and activation layout this tile shares):
+//   the decoder (warps 8-11): a thread owns one of the block's 128 weight rows; per k-tile it waits until the
+//     stage is free (`empty`), starts its eighth of the stage's activation tile (128 tokens x 64 fp16, 16 KiB,
+//     contiguous in the tiled layout) with cp.async, whose completion arrives on `full`, decodes its row's 64
+//     codes (copied into a shared-memory ring R k-tiles ahead, ws::fetch_raw) into the stage's fp16 weight
+//     tile and arrives on `full` again;
+//   eight multiplier warps (0-7), 2 x 4 of 64 weight rows x 32 tokens: per k-tile they wait on `full`, run
+//     4 k16 slices of 16 mma.sync each from ldmatrix fragments (the next slice's fragments read during the
+//     current slice's MMAs) and release the stage (`empty`). No block barrier in the loop.
+//   Persistent: one block per SM walks its tiles; the rings run on across them, so the decoder fills the next
+//   tile's stages while the multipliers store the last one.
+// 12 warps, three per scheduler (two multipliers and a decoder), 152 registers at most: the registers are
+// allocated per scheduler, so a 13th warp (say, a separate activation copier) would leave 128. Four
+// multiplier warps of 64 x 64 (half the ldmatrix per MMA, 222 registers, one multiplier per scheduler)
+// measured within 1 % on the H200 (bench/NOTES.md, twenty-second session): with one multiplier per scheduler
+// its HMMAs mostly waited on their fixed issue latency (ncu: stall `wait`).
+// Shared memory: both operands in the core-matrix layout of gemm_fp4_ws.cuh (row r, 16-byte chunk c at
+// (r / 8) * 1024 + c * 128 + (r % 8) * 16), which ldmatrix reads without bank conflicts (each 8 x 8 matrix is
+// 128 contiguous bytes). The k order inside a chunk is 0 4 1 5 2 6 3 7 on both operands, so the sums are the
+// same. One block per SM: 4 stages of 32 KiB on sm_90 (228 KiB per SM), 2 on sm_12x (GB10: 99 KiB per block).
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include "kernels/gemm_fp4_ws.cuh"
+
+namespace nb::cuda::wsp {
+
+constexpr int kBN = 128;  // weight rows per block (== ws::kBN: the decoder's rows)
+constexpr int kBM = 128;  // tokens per block
+constexpr int kBK = 64;   // k per stage (== ws::kBK)
+// Multiplier warps: a 2 x kWarpsN grid of 64 weight rows (kMT = 4 m16 tiles) x kWarpTokens tokens (kNT n8
+// tiles, kNP pairs of them).
+constexpr int kMulWarps = 8;
+constexpr int kWarpsN = kMulWarps / 2, kWarpTokens = kBM / kWarpsN;
+constexpr int kMT = 4, kNT = kWarpTokens / 8, kNP = kNT / 2;
+constexpr int kMulThreads = kMulWarps * 32, kDecThreads = 128;
+constexpr int kThreads = kMulThreads + kDecThreads;
+using Acc = float[kMT][kNT][4];  // mma C fragments: [m16 tile][n8 tile][4]
+constexpr int kABytes = kBM * kBK * 2;  // 16 KiB of fp16 activations per stage
+constexpr int kWBytes = kBN * kBK * 2;  // 16 KiB of decoded fp16 weights per stage
+constexpr int kStageBytes = kABytes + kWBytes;
+static_assert(kBN == ws::kBN && kBK == ws::kBK, "the decoder and its ring are the sm_90a tile's");
+
+// Dynamic shared memory for S stages and a code ring of R slots.
+constexpr int smem_bytes(int stages, int ring) { return stages * kStageBytes + ring * ws::kRawBytes; }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t b) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(b) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) { mbar_arrive(smem_u32(b)); }
+// One arrival, triggered when every cp.async this thread issued before it has completed.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* b) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+// try_wait (not sm_80's test_wait): the waiting warp is suspended in hardware, so a decoder or copier waiting
+// for a free stage leaves the issue slots to the multipliers.
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+
+// The block's shared state: S stages, each [activations 16 KiB][decoded weights 16 KiB], with a `full` barrier
+// (128 decoder arrivals after the decode + 128 when each decoder thread's activation copies land) and an `empty` one (128 multiplier
+// arrivals); the decoder's code ring (R slots after the stages); and the token scales of the block's last
+// S + 1 tiles (written by the decoder before its first `full` arrival of a tile, read by the multipliers'
+// epilogue: the decoder runs at most S k-tiles ahead of the releases, so it cannot reach a tile S + 1 tiles
+// later before that epilogue is done).
+template <int S>
+struct Pipe {
+  static constexpr int kFullCount = 2 * kDecThreads, kEmptyCount = kMulThreads;
+  uint8_t* smem;
+  uint64_t* full;
+  uint64_t* empty;
+  float* unscale;  // [S + 1][kBM]
+  __device__ uint8_t* act(int s) const { return smem + s * kStageBytes; }
+  __device__ uint8_t* wts(int s) const { return smem + s * kStageBytes + kABytes; }
+  __device__ uint8_t* raw(int j) const { return smem + S * kStageBytes + j * ws::kRawBytes; }
+  __device__ float* tile_unscale(int it) const { return unscale + (it % (S + 1)) * kBM; }
+};
+
+// Stage and phase of the block's k-tile g (S a power of two: masks and shifts).
+template <int S>
+__device__ __forceinline__ int stage_of(int g) { return static_cast<int>(static_cast<unsigned>(g) % S); }
+template <int S>
+__device__ __forceinline__ uint32_t phase_of(int g) { return (static_cast<unsigned>(g) / S) & 1u; }
+
+// The persistent schedule (as ws::Sched, 128-token tiles): block b runs tiles b, b + gridDim.x, ...; tile i
+// covers weight rows (i % n_col_tiles) * kBN and tokens (i / n_col_tiles) * kBM, so consecutive blocks share
+// a token tile (its activations come from L2 for all but the first). n_kt k-tiles per tile.
+struct Sched {
+  int n_col_tiles, n_tiles, n_kt;
+  __device__ int tile(int it) const { return blockIdx.x + it * gridDim.x; }
+  __device__ int my_tiles() const { return n_tiles > static_cast<int>(blockIdx.x) ? (n_tiles - blockIdx.x - 1) / gridDim.x + 1 : 0; }
+  __device__ int n0(int tile) const { return (tile % n_col_tiles) * kBN; }
+  __device__ int m0(int tile) const { return (tile / n_col_tiles) * kBM; }
+};
+
+// The decoder (d = threadIdx.x - kMulThreads: tile row d): for every k-tile of the block's schedule, wait until
+// its stage is free, copy chunks d + 128 i of the stage's activation tile (the tiled activations a_tiles, mp
+// rows), decode the row's 64 codes into the stage and arrive on `full`; at a tile's first k-tile also write its
+// token scales. Each k-tile's codes were copied R k-tiles earlier (R divides n_kt, so slot kt % R of a tile is
+// slot kt % R of the next one and every slot index is a compile-time constant). unscale: the activations' row
+// scales [m]. The activation copies' arrival also waits for the ring refills this thread issued before them
+// (a cp.async arrival covers all of its earlier copies): one k-tile's refill, long landed by the time the
+// multipliers, S k-tiles behind, reach the stage.
+template <WKind K, int R, int S>
+__device__ __forceinline__ void decoder(const Pipe<S>& p, const Sched& sc, const DevWeight& w, const uint8_t* a_tiles,
+                                        int64_t mp, const float* __restrict__ unscale, int m) {
+  static_assert(R <= ws::kMaxRing);
+  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  const int d = threadIdx.x - kMulThreads, k = w.k, n_tiles = sc.my_tiles();
+  auto brow = [&](int it) {
+    const int row = it < n_tiles ? sc.n0(sc.tile(it)) + d : w.n;
+    return gemm::brow_of(w, row < w.n ? row : -1, k, kBlk);
+  };
+  const int slot = (d >> 3) * 1024 + (d & 7) * 16;  // this row's first chunk in a weight tile
+  gemm::BRow br = brow(0), br_next = brow(1);
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    ws::fetch_raw<K>(br, j, k, d, p.raw(j), a_tiles);
+    gemm::cp_async_commit();
+  }
+  for (int it = 0, g = 0; it < n_tiles; ++it) {
+    const int m0 = sc.m0(sc.tile(it));
+    const uint8_t* a_tile = a_tiles + static_cast<int64_t>(m0 / 8) * 1024 + d * 16;  // k-tile kt: + kt * mp * 128 bytes
+    for (int kt0 = 0; kt0 < sc.n_kt; kt0 += R) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const int kt = kt0 + j, s = stage_of<S>(g);
+        if (g >= S) mbar_wait(p.empty + s, phase_of<S>(g) ^ 1u);  // the multipliers released it
+        const uint8_t* src = a_tile + kt * mp * 128;
+#pragma unroll
+        for (int i = 0; i < kABytes / (16 * kDecThreads); ++i) {
+          gemm::cp_async16(p.act(s) + d * 16 + i * 16 * kDecThreads, src + i * 16 * kDecThreads, true);
+        }
+        mbar_arrive_cp_async(p.full + s);
+        if (kt == 0) p.tile_unscale(it)[d] = m0 + d < m ? unscale[m0 + d] : 0.0f;
+        // This thread's copies of k-tile kt have landed (the R - 1 later groups may still be in flight).
+        gemm::cp_async_wait<R - 1>();
+        ws::decode_k_tile<K>(p.raw(j), d, br, kt, k, p.wts(s) + slot);
+        mbar_arrive(p.full + s);  // (release: the multipliers' ldmatrix after their wait sees the stores)
+        // Refill the slot R k-tiles ahead: this tile's k-tile kt + R, or the next tile's kt + R - n_kt.
+        if (kt + R < sc.n_kt) ws::fetch_raw<K>(br, kt + R, k, d, p.raw(j), a_tiles);
+        else ws::fetch_raw<K>(br_next, kt + R - sc.n_kt, k, d, p.raw(j), a_tiles);
+        gemm::cp_async_commit();
+        ++g;
+      }
+    }
+    br = br_next;
+    br_next = brow(it + 2);
+  }
+  gemm::cp_async_wait<0>();
+}
+
+// A multiplier warp's fragments of one k16 slice: A (its 64 weight rows: 4 m16 tiles) and B (its 32 tokens:
+// 4 n8 tiles, two per ldmatrix.x4).
+struct Frags {
+  uint32_t a[kMT][4];
+  uint32_t b[kNP][4];  // [n8 pair][b0, b1 of tile 2 jj, b0, b1 of tile 2 jj + 1]
+};
+
+// off_a / off_b: this lane's ldmatrix row address in a stage's weight / activation tile for slice 0; slice kk
+// is 256 bytes further (two chunks), m16 tile i 2048 (two row blocks), n8 pair jj 2048.
+__device__ __forceinline__ void load_frags(Frags& f, const uint8_t* wts, const uint8_t* act, int off_a, int off_b, int kk) {
+#pragma unroll
+  for (int i = 0; i < kMT; ++i) gemm::ldmatrix_x4(f.a[i], wts + off_a + i * 2048 + kk * 256);
+#pragma unroll
+  for (int jj = 0; jj < kNP; ++jj) gemm::ldmatrix_x4(f.b[jj], act + off_b + jj * 2048 + kk * 256);
+}
+
+__device__ __forceinline__ void mma_slice(Acc& acc, const Frags& f) {
+#pragma unroll
+  for (int i = 0; i < kMT; ++i) {
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) mma_f16_16816(acc[i][j], f.a[i], f.b[j >> 1][2 * (j & 1)], f.b[j >> 1][2 * (j & 1) + 1]);
+  }
+}
+
+// A multiplier warp (w = 0..7: weight rows 64 (w & 1), tokens 32 (w >> 1) of the tile), one tile: acc (D [its
+// 64 rows: 4 m16][its 32 tokens: 4 n8][4]) = the tile's product. g: the block's k-tile counter (stage and
+// phase). ldmatrix x4 lane roles: A -- lanes 0-15 rows 0-15 of the m16 tile at chunk 2 kk, lanes 16-31 the same
+// rows at chunk 2 kk + 1 (a0..a3); B -- lanes 0-7 tokens 0-7 of the pair's first n8 tile at chunk 2 kk, 8-15
+// the same at 2 kk + 1, 16-31 the second n8 tile (b0, b1 of each).
+template <int S>
+__device__ __forceinline__ void multiply_tile(const Pipe<S>& p, const Sched& sc, int& g, Acc& acc) {
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ra = 64 * (w & 1) + (lane & 15), ca = lane >> 4;
+  const int off_a = (ra >> 3) * 1024 + ca * 128 + (ra & 7) * 16;
+  const int rb = kWarpTokens * (w >> 1) + (lane & 7) + ((lane >> 4) << 3), cb = (lane >> 3) & 1;
+  const int off_b = (rb >> 3) * 1024 + cb * 128 + (rb & 7) * 16;
+#pragma unroll
+  for (int i = 0; i < kMT; ++i)
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+  const uint32_t empty = smem_u32(p.empty);
+  Frags f[2];
+  mbar_wait(p.full + stage_of<S>(g), phase_of<S>(g));
+  load_frags(f[0], p.wts(stage_of<S>(g)), p.act(stage_of<S>(g)), off_a, off_b, 0);
+  for (int kt = 0; kt < sc.n_kt; ++kt, ++g) {
+    const int s = stage_of<S>(g);
+    // The release's address, made here: computed after the next stage's ldmatrix (where ptxas puts it), it took
+    // one of their address registers and waited for them to read it (short scoreboard; ncu, H200).
+    uint32_t release = empty + 8 * s;
+    asm volatile("" : "+r"(release));
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      if (kk + 1 < kBK / 16) {
+        load_frags(f[(kk + 1) & 1], p.wts(s), p.act(s), off_a, off_b, kk + 1);
+      } else if (kt + 1 < sc.n_kt) {  // the next k-tile's first slice, once its stage is full
+        const int s1 = stage_of<S>(g + 1);
+        mbar_wait(p.full + s1, phase_of<S>(g + 1));
+        load_frags(f[0], p.wts(s1), p.act(s1), off_a, off_b, 0);
+      }
+      mma_slice(acc, f[kk & 1]);
+    }
+    // Every ldmatrix of stage s has been consumed by an MMA issued above: the stage can be refilled.
+    mbar_arrive(release);
+  }
+}
+
+// Writes a multiplier thread's D elements of tile (n0, m0): y[m0 + token][n0 + row] = acc * unscale[token] *
+// the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's 8 weight rows (m16 tile
+// i: rows 16 i + g and + 8) are fixed, so their scales, biases and bounds are read once; its tokens are
+// 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory.
+template <WKind K>
+__device__ __forceinline__ void epilogue(const Acc& acc, const DevWeight& w, const float* us,
+                                         const float* __restrict__ bias, float* __restrict__ y, int n0, int64_t m0,
+                                         int a_rows) {
+  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n = w.n, r0 = n0 + 64 * (wi & 1) + g, t0 = kWarpTokens * (wi >> 1) + 2 * t;
+  // NVFP4 global scales as multipliers (a divide-convention part's reciprocal: within an ulp of dividing).
+  auto row_scale = [&](int row) {
+    if (K != WKind::kNVFP4 || row >= n) return 1.0f;
+    const DevPart& part = find_part(w, row);
+    return 256.0f * (part.divide ? 1.0f / part.global : part.global);  // (2^8: decode_half's NVFP4 fold)
+  };
+#pragma unroll
+  for (int i = 0; i < kMT; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + 16 * i + 8 * h;
+      if (row >= n) continue;
+      const float sr = row_scale(row), br = bias ? bias[row] : 0.0f;
+      float* yr = y + m0 * n + row;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int token = t0 + 8 * j + e;
+          if (token < a_rows) yr[static_cast<int64_t>(token) * n] = acc[i][j][2 * h + e] * us[token] * sr + br;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace nb::cuda::wsp
