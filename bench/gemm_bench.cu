@@ -79,10 +79,12 @@ __global__ void __launch_bounds__(256) mma_peak_kernel(int iters, float* out) {
   if (sum == 1234.5f) out[threadIdx.x] = sum;  // (keeps the loop; never true)
 }
 
-double mma_peak_tflops(cudaStream_t s, int sms) {
+// blocks_per_sm 4: 8 warps per scheduler; 1: 2 per scheduler, as the warp-specialized portable tile's
+// multipliers (gemm_fp4_wsp.cuh).
+double mma_peak_tflops(cudaStream_t s, int sms, int blocks_per_sm) {
   float* out = nullptr;
   CUDA_CHECK(cudaMalloc(&out, 256 * sizeof(float)));
-  const int blocks = 4 * sms, iters = 4096;
+  const int blocks = blocks_per_sm * sms, iters = 4096;
   mma_peak_kernel<<<blocks, 256, 0, s>>>(16, out);  // warm
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
@@ -211,11 +213,12 @@ int run(bool quick) {
   {
     int sms = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const double peak = mma_peak_tflops(s, sms);
+    const double peak = mma_peak_tflops(s, sms, 4), peak2 = mma_peak_tflops(s, sms, 1);
     const int64_t big = 8192;
     const double lt_big = 2.0 * big * big * big / (lt.time(big, big, big) * 1e-6) * 1e-12;
     std::printf("## Tensor-pipe ceilings\n\n| measure | TFLOP/s |\n|---|---|\n");
     std::printf("| mma.sync m16n8k16 fp16 -> fp32, operands in registers (the portable tiles' instruction) | %.0f |\n", peak);
+    std::printf("| the same with 2 warps per scheduler (the warp-specialized portable tile's multipliers) | %.0f |\n", peak2);
     std::printf("| cuBLASLt BF16 [8192, 8192, 8192] | %.0f |\n\n", lt_big);
     std::printf("The portable mma.sync tiles cannot exceed %.0f %% of cuBLASLt BF16 at 8192^3 on this GPU.\n\n",
                 100.0 * peak / lt_big);

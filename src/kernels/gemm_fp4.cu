@@ -279,37 +279,6 @@ __global__ void __launch_bounds__(kThreads, DenseTile<K, BM, kSplit>::kLaunchMin
   });
 }
 
-// The portable warp-specialized tile (gemm_fp4_wsp.cuh), persistent: one block per SM walks tiles of 128 weight
-// rows x 128 tokens; warps 0-3 multiply, 4-7 copy the activations (GemmActivations::tiled, mp rows) and decode
-// the weights (R: their code ring's depth, ws::ring_for). S stages.
-template <WKind K, int R, int S>
-__global__ void __launch_bounds__(wsp::kThreads, 1) gemm_fp4_wsp_kernel(const __grid_constant__ DevWeight w,
-                                                                        const uint8_t* __restrict__ a_tiles,
-                                                                        const float* __restrict__ unscale, int64_t mp,
-                                                                        int m, const float* __restrict__ bias,
-                                                                        float* __restrict__ y) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t bars[2 * S];
-  __shared__ float us[(S + 1) * wsp::kBM];
-  using Pipe = wsp::Pipe<S>;
-  const int tid = threadIdx.x;
-  const Pipe p{smem, bars, bars + S, us};
-  const int col_tiles = (w.n + wsp::kBN - 1) / wsp::kBN;
-  const wsp::Sched sc{col_tiles, col_tiles * ((m + wsp::kBM - 1) / wsp::kBM), (w.k + wsp::kBK - 1) / wsp::kBK};
-  if (tid < S) {
-    wsp::mbar_init(p.full + tid, Pipe::kFullCount);
-    wsp::mbar_init(p.empty + tid, Pipe::kEmptyCount);
-  }
-  __syncthreads();
-  if (tid >= wsp::kMulThreads) return wsp::decoder<K, R, S>(p, sc, w, a_tiles, mp, unscale, m);
-  wsp::Acc acc;
-  for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
-    const int tile = sc.tile(it), m0 = sc.m0(tile);
-    wsp::multiply_tile<S>(p, sc, g, acc);
-    wsp::epilogue<K>(acc, w, p.tile_unscale(it), bias, y, sc.n0(tile), m0, min(wsp::kBM, m - m0));
-  }
-}
-
 // The current device's SM count (the grids below are sized by it).
 int sm_count() {
   int device = 0, sms = 0;
@@ -374,46 +343,11 @@ void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const 
   }
 }
 
-// The portable tile's stages: 4 where a block may have the shared memory (sm_90: 227 KiB), else 2 (sm_12x, GB10:
-// 99 KiB). NIBBLE_WSP_STAGES=2 runs GB10's depth on an H200 (measurement only).
-int wsp_stages() {
-  static const int stages = [] {
-    if (const char* e = std::getenv("NIBBLE_WSP_STAGES"); e && std::string(e) == "2") return 2;
-    int device = 0, optin = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const int static_bytes = 2 * 4 * 8 + 5 * wsp::kBM * 4;  // the kernel's barriers and token scales at S = 4
-    return optin >= wsp::smem_bytes(4, ws::kMaxRing) + static_bytes ? 4 : 2;
-  }();
-  return stages;
-}
-
-template <WKind K, int R, int S>
-void gemm_wsp_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  auto kernel = gemm_fp4_wsp_kernel<K, R, S>;
-  const int smem = wsp::smem_bytes(S, R);
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, wsp::kBN)) * ceil_div(m, wsp::kBM);
-  kernel<<<static_cast<int>(std::min<int64_t>(tiles, sm_count())), wsp::kThreads, smem, s>>>(
-      w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-template <WKind K, int S>
-void gemm_wsp_stages(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  switch (ws::ring_for(ceil_div(w.k, wsp::kBK))) {
-    case 5: return gemm_wsp_launch<K, 5, S>(w, a, m, bias, y, s);
-    case 4: return gemm_wsp_launch<K, 4, S>(w, a, m, bias, y, s);
-    case 3: return gemm_wsp_launch<K, 3, S>(w, a, m, bias, y, s);
-    case 2: return gemm_wsp_launch<K, 2, S>(w, a, m, bias, y, s);
-    default: return gemm_wsp_launch<K, 1, S>(w, a, m, bias, y, s);
-  }
-}
-
+// The portable warp-specialized tile (gemm_fp4_wsp.cuh): persistent blocks over (128 weight rows, 128 tokens).
 template <WKind K>
 void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  if (wsp_stages() == 4) return gemm_wsp_stages<K, 4>(w, a, m, bias, y, s);
-  return gemm_wsp_stages<K, 2>(w, a, m, bias, y, s);
+  const int64_t items = static_cast<int64_t>(ceil_div(w.n, wsp::kBN)) * ceil_div(m, wsp::kBM);
+  wsp::launch<K>(wsp::DenseJob<K>{w, static_cast<int>(m), bias, y}, w.k, items, a, s);
 }
 
 template <WKind K>

@@ -31,6 +31,12 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+#include "kernels/gemm_fp4.cuh"
 #include "kernels/gemm_fp4_ws.cuh"
 
 namespace nb::cuda::wsp {
@@ -102,46 +108,62 @@ __device__ __forceinline__ int stage_of(int g) { return static_cast<int>(static_
 template <int S>
 __device__ __forceinline__ uint32_t phase_of(int g) { return (static_cast<unsigned>(g) / S) & 1u; }
 
-// The persistent schedule (as ws::Sched, 128-token tiles): block b runs tiles b, b + gridDim.x, ...; tile i
-// covers weight rows (i % n_col_tiles) * kBN and tokens (i / n_col_tiles) * kBM, so consecutive blocks share
-// a token tile (its activations come from L2 for all but the first). n_kt k-tiles per tile.
-struct Sched {
-  int n_col_tiles, n_tiles, n_kt;
-  __device__ int tile(int it) const { return blockIdx.x + it * gridDim.x; }
-  __device__ int my_tiles() const { return n_tiles > static_cast<int>(blockIdx.x) ? (n_tiles - blockIdx.x - 1) / gridDim.x + 1 : 0; }
-  __device__ int n0(int tile) const { return (tile % n_col_tiles) * kBN; }
-  __device__ int m0(int tile) const { return (tile / n_col_tiles) * kBM; }
+// A block's unit of work: a weight tile of kBN rows of *w (which rows: the job's weight_row) times the token
+// rows [row0, row0 + rows) (rows <= kBM) of the tiled activations. A Job (the dense GEMM below, the MoE
+// projections in moe_gemm.cu) says what the persistent blocks walk: block b takes items b, b + gridDim.x, ...
+//   int k() const                                   every item's k
+//   int n_items() const
+//   Item item(int i) const
+//   int weight_row(const Item&, int c) const        the weight row tile row c decodes (-1: none, zeros)
+//   void store(const Acc&, const Item&, const float* us) const   a multiplier's epilogue (us: token scales)
+struct Item {
+  const DevWeight* w = nullptr;  // null: past the schedule
+  int n0 = 0;                    // the job's column coordinate (the dense GEMM: the first weight row)
+  int64_t row0 = 0;
+  int rows = 0;
+  int e = 0;  // the expert (MoE)
 };
 
-// The decoder (d = threadIdx.x - kMulThreads: tile row d): for every k-tile of the block's schedule, wait until
-// its stage is free, copy chunks d + 128 i of the stage's activation tile (the tiled activations a_tiles, mp
-// rows), decode the row's 64 codes into the stage and arrive on `full`; at a tile's first k-tile also write its
-// token scales. Each k-tile's codes were copied R k-tiles earlier (R divides n_kt, so slot kt % R of a tile is
-// slot kt % R of the next one and every slot index is a compile-time constant). unscale: the activations' row
-// scales [m]. The activation copies' arrival also waits for the ring refills this thread issued before them
-// (a cp.async arrival covers all of its earlier copies): one k-tile's refill, long landed by the time the
+// The i-th item of this block's walk, or an empty one past the job's items.
+template <class Job>
+__device__ __forceinline__ Item item_at(const Job& job, int n_items, int it) {
+  const int i = blockIdx.x + it * gridDim.x;
+  return i < n_items ? job.item(i) : Item{};
+}
+
+// The decoder (d = threadIdx.x - kMulThreads: tile row d): for every k-tile of the block's walk, wait until its
+// stage is free, copy chunks d + 128 i of the stage's activation tile (the tiled activations a_tiles, mp rows),
+// decode the row's 64 codes into the stage and arrive on `full`; at an item's first k-tile also write its token
+// scales (unscale: the activations' row scales). Each k-tile's codes were copied R k-tiles earlier (R divides
+// n_kt, so slot kt % R of an item is slot kt % R of the next one and every slot index is a compile-time
+// constant). The activation copies' arrival also waits for the ring refills this thread issued before them (a
+// cp.async arrival covers all of its earlier copies): one k-tile's refill, long landed by the time the
 // multipliers, S k-tiles behind, reach the stage.
-template <WKind K, int R, int S>
-__device__ __forceinline__ void decoder(const Pipe<S>& p, const Sched& sc, const DevWeight& w, const uint8_t* a_tiles,
-                                        int64_t mp, const float* __restrict__ unscale, int m) {
+// Tile row r, chunk c of the stage is chunk_of(row0 + r, kt, c, mp) (ws::chunk_of): this thread's chunks d + 128 i
+// are rows R0 + 16 i (R0 = row0 + 8 (d / 64) + d % 8) at chunk (d / 8) % 8, i.e. 2048 i bytes after the first,
+// whatever row0's alignment (the MoE's experts start at any row; rows up to row0 + 127 must exist: mp covers them).
+template <WKind K, int R, int S, class Job>
+__device__ __forceinline__ void decoder(const Pipe<S>& p, const Job& job, const uint8_t* a_tiles, int64_t mp,
+                                        const float* __restrict__ unscale) {
   static_assert(R <= ws::kMaxRing);
   constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
-  const int d = threadIdx.x - kMulThreads, k = w.k, n_tiles = sc.my_tiles();
-  auto brow = [&](int it) {
-    const int row = it < n_tiles ? sc.n0(sc.tile(it)) + d : w.n;
-    return gemm::brow_of(w, row < w.n ? row : -1, k, kBlk);
+  const int d = threadIdx.x - kMulThreads, k = job.k(), n_kt = (k + kBK - 1) / kBK, n_items = job.n_items();
+  auto brow = [&](const Item& t) {
+    const int row = t.w ? job.weight_row(t, d) : -1;
+    return row >= 0 ? gemm::brow_of(*t.w, row, k, kBlk) : gemm::BRow{};
   };
   const int slot = (d >> 3) * 1024 + (d & 7) * 16;  // this row's first chunk in a weight tile
-  gemm::BRow br = brow(0), br_next = brow(1);
+  Item cur = item_at(job, n_items, 0), next = item_at(job, n_items, 1);
+  gemm::BRow br = brow(cur), br_next = brow(next);
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     ws::fetch_raw<K>(br, j, k, d, p.raw(j), a_tiles);
     gemm::cp_async_commit();
   }
-  for (int it = 0, g = 0; it < n_tiles; ++it) {
-    const int m0 = sc.m0(sc.tile(it));
-    const uint8_t* a_tile = a_tiles + static_cast<int64_t>(m0 / 8) * 1024 + d * 16;  // k-tile kt: + kt * mp * 128 bytes
-    for (int kt0 = 0; kt0 < sc.n_kt; kt0 += R) {
+  for (int it = 0, g = 0; cur.w; ++it) {
+    const int64_t r0 = cur.row0 + (d >> 6) * 8 + (d & 7);
+    const uint8_t* a_tile = a_tiles + ((r0 >> 3) * 64 + ((d >> 3) & 7) * 8 + (r0 & 7)) * 16;  // + kt * mp * 128
+    for (int kt0 = 0; kt0 < n_kt; kt0 += R) {
 #pragma unroll
       for (int j = 0; j < R; ++j) {
         const int kt = kt0 + j, s = stage_of<S>(g);
@@ -152,20 +174,22 @@ __device__ __forceinline__ void decoder(const Pipe<S>& p, const Sched& sc, const
           gemm::cp_async16(p.act(s) + d * 16 + i * 16 * kDecThreads, src + i * 16 * kDecThreads, true);
         }
         mbar_arrive_cp_async(p.full + s);
-        if (kt == 0) p.tile_unscale(it)[d] = m0 + d < m ? unscale[m0 + d] : 0.0f;
+        if (kt == 0) p.tile_unscale(it)[d] = d < cur.rows ? unscale[cur.row0 + d] : 0.0f;
         // This thread's copies of k-tile kt have landed (the R - 1 later groups may still be in flight).
         gemm::cp_async_wait<R - 1>();
         ws::decode_k_tile<K>(p.raw(j), d, br, kt, k, p.wts(s) + slot);
         mbar_arrive(p.full + s);  // (release: the multipliers' ldmatrix after their wait sees the stores)
-        // Refill the slot R k-tiles ahead: this tile's k-tile kt + R, or the next tile's kt + R - n_kt.
-        if (kt + R < sc.n_kt) ws::fetch_raw<K>(br, kt + R, k, d, p.raw(j), a_tiles);
-        else ws::fetch_raw<K>(br_next, kt + R - sc.n_kt, k, d, p.raw(j), a_tiles);
+        // Refill the slot R k-tiles ahead: this item's k-tile kt + R, or the next item's kt + R - n_kt.
+        if (kt + R < n_kt) ws::fetch_raw<K>(br, kt + R, k, d, p.raw(j), a_tiles);
+        else ws::fetch_raw<K>(br_next, kt + R - n_kt, k, d, p.raw(j), a_tiles);
         gemm::cp_async_commit();
         ++g;
       }
     }
+    cur = next;
     br = br_next;
-    br_next = brow(it + 2);
+    next = item_at(job, n_items, it + 2);
+    br_next = brow(next);
   }
   gemm::cp_async_wait<0>();
 }
@@ -200,7 +224,7 @@ __device__ __forceinline__ void mma_slice(Acc& acc, const Frags& f) {
 // rows at chunk 2 kk + 1 (a0..a3); B -- lanes 0-7 tokens 0-7 of the pair's first n8 tile at chunk 2 kk, 8-15
 // the same at 2 kk + 1, 16-31 the second n8 tile (b0, b1 of each).
 template <int S>
-__device__ __forceinline__ void multiply_tile(const Pipe<S>& p, const Sched& sc, int& g, Acc& acc) {
+__device__ __forceinline__ void multiply_tile(const Pipe<S>& p, int n_kt, int& g, Acc& acc) {
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ra = 64 * (w & 1) + (lane & 15), ca = lane >> 4;
   const int off_a = (ra >> 3) * 1024 + ca * 128 + (ra & 7) * 16;
@@ -214,7 +238,7 @@ __device__ __forceinline__ void multiply_tile(const Pipe<S>& p, const Sched& sc,
   Frags f[2];
   mbar_wait(p.full + stage_of<S>(g), phase_of<S>(g));
   load_frags(f[0], p.wts(stage_of<S>(g)), p.act(stage_of<S>(g)), off_a, off_b, 0);
-  for (int kt = 0; kt < sc.n_kt; ++kt, ++g) {
+  for (int kt = 0; kt < n_kt; ++kt, ++g) {
     const int s = stage_of<S>(g);
     // The release's address, made here: computed after the next stage's ldmatrix (where ptxas puts it), it took
     // one of their address registers and waited for them to read it (short scoreboard; ncu, H200).
@@ -224,7 +248,7 @@ __device__ __forceinline__ void multiply_tile(const Pipe<S>& p, const Sched& sc,
     for (int kk = 0; kk < kBK / 16; ++kk) {
       if (kk + 1 < kBK / 16) {
         load_frags(f[(kk + 1) & 1], p.wts(s), p.act(s), off_a, off_b, kk + 1);
-      } else if (kt + 1 < sc.n_kt) {  // the next k-tile's first slice, once its stage is full
+      } else if (kt + 1 < n_kt) {  // the next k-tile's first slice, once its stage is full
         const int s1 = stage_of<S>(g + 1);
         mbar_wait(p.full + s1, phase_of<S>(g + 1));
         load_frags(f[0], p.wts(s1), p.act(s1), off_a, off_b, 0);
@@ -236,40 +260,132 @@ __device__ __forceinline__ void multiply_tile(const Pipe<S>& p, const Sched& sc,
   }
 }
 
-// Writes a multiplier thread's D elements of tile (n0, m0): y[m0 + token][n0 + row] = acc * unscale[token] *
-// the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's 8 weight rows (m16 tile
-// i: rows 16 i + g and + 8) are fixed, so their scales, biases and bounds are read once; its tokens are
-// 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory.
+// A multiplier thread's place in the tile: its 8 weight (tile) rows are row_of(i, h) = 64 (w % 2) + 16 i + 8 h + g
+// (m16 tile i, h = 0 for D's c0 / c1, 1 for c2 / c3), its 2 kNT tokens token_of(j, e) = kWarpTokens (w / 2) + 8 j
+// + 2 t + e (n8 tile j, e = 0 / 1), g = lane / 4, t = lane % 4.
+__device__ __forceinline__ int row_of(int i, int h) {
+  return 64 * ((threadIdx.x >> 5) & 1) + 16 * i + 8 * h + ((threadIdx.x & 31) >> 2);
+}
+__device__ __forceinline__ int token_of(int j, int e) {
+  return kWarpTokens * (threadIdx.x >> 6) + 8 * j + 2 * (threadIdx.x & 3) + e;
+}
+
+// The multiplier of weight row `row`'s products: 1 for MXFP4; for NVFP4 its part's global scale (as a multiplier;
+// a divide-convention part's reciprocal, within an ulp of dividing) times 2^8 (decode_half's NVFP4 fold).
 template <WKind K>
-__device__ __forceinline__ void epilogue(const Acc& acc, const DevWeight& w, const float* us,
-                                         const float* __restrict__ bias, float* __restrict__ y, int n0, int64_t m0,
-                                         int a_rows) {
-  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int n = w.n, r0 = n0 + 64 * (wi & 1) + g, t0 = kWarpTokens * (wi >> 1) + 2 * t;
-  // NVFP4 global scales as multipliers (a divide-convention part's reciprocal: within an ulp of dividing).
-  auto row_scale = [&](int row) {
-    if (K != WKind::kNVFP4 || row >= n) return 1.0f;
-    const DevPart& part = find_part(w, row);
-    return 256.0f * (part.divide ? 1.0f / part.global : part.global);  // (2^8: decode_half's NVFP4 fold)
-  };
+__device__ __forceinline__ float row_scale(const DevWeight& w, int row) {
+  if (K != WKind::kNVFP4) return 1.0f;
+  const DevPart& part = find_part(w, row);
+  return 256.0f * (part.divide ? 1.0f / part.global : part.global);
+}
+
+// The dense GEMM y[m, w.n] = A W^T (+ bias): items are (128 weight rows, 128 tokens) tiles, consecutive items on
+// the same token tile (its activations then come from L2 for all but the first block).
+template <WKind K>
+struct DenseJob {
+  DevWeight w;
+  int m;
+  const float* bias;
+  float* y;
+  __device__ int k() const { return w.k; }
+  __device__ int n_col_tiles() const { return (w.n + kBN - 1) / kBN; }
+  __device__ int n_items() const { return n_col_tiles() * ((m + kBM - 1) / kBM); }
+  __device__ Item item(int i) const {
+    const int m0 = i / n_col_tiles() * kBM;
+    return Item{&w, i % n_col_tiles() * kBN, m0, min(kBM, m - m0), 0};
+  }
+  __device__ int weight_row(const Item& t, int c) const { return t.n0 + c < w.n ? t.n0 + c : -1; }
+  // y[row0 + token][n0 + row] = acc * us[token] * row_scale (+ bias), tokens < rows, rows < n.
+  __device__ void store(const Acc& acc, const Item& t, const float* us) const {
+    const int n = w.n;
 #pragma unroll
-  for (int i = 0; i < kMT; ++i) {
+    for (int i = 0; i < kMT; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r0 + 16 * i + 8 * h;
-      if (row >= n) continue;
-      const float sr = row_scale(row), br = bias ? bias[row] : 0.0f;
-      float* yr = y + m0 * n + row;
+      for (int h = 0; h < 2; ++h) {
+        const int row = t.n0 + row_of(i, h);
+        if (row >= n) continue;
+        const float sr = row_scale<K>(w, row), br = bias ? bias[row] : 0.0f;
+        float* yr = y + t.row0 * n + row;
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
+        for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int token = t0 + 8 * j + e;
-          if (token < a_rows) yr[static_cast<int64_t>(token) * n] = acc[i][j][2 * h + e] * us[token] * sr + br;
+          for (int e = 0; e < 2; ++e) {
+            const int token = token_of(j, e);
+            if (token < t.rows) yr[static_cast<int64_t>(token) * n] = acc[i][j][2 * h + e] * us[token] * sr + br;
+          }
         }
       }
     }
   }
+};
+
+// The tile kernel: one persistent block per SM (grid: min(items, SMs)); S stages, a code ring of R slots.
+template <WKind K, int R, int S, class Job>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const __grid_constant__ Job job, const uint8_t* __restrict__ a_tiles,
+                                                      const float* __restrict__ unscale, int64_t mp) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[(S + 1) * kBM];
+  const Pipe<S> p{smem, bars, bars + S, us};
+  const int tid = threadIdx.x;
+  if (tid < S) {
+    mbar_init(p.full + tid, Pipe<S>::kFullCount);
+    mbar_init(p.empty + tid, Pipe<S>::kEmptyCount);
+  }
+  __syncthreads();
+  if (tid >= kMulThreads) return decoder<K, R, S>(p, job, a_tiles, mp, unscale);
+  const int n_items = job.n_items(), n_kt = (job.k() + kBK - 1) / kBK;
+  Acc acc;
+  for (int it = 0, g = 0;; ++it) {
+    const Item t = item_at(job, n_items, it);
+    if (!t.w) break;
+    multiply_tile<S>(p, n_kt, g, acc);
+    job.store(acc, t, p.tile_unscale(it));
+  }
+}
+
+// The stage count: 4 where a block may have the shared memory (sm_90: 227 KiB), else 2 (sm_12x, GB10: 99 KiB).
+// NIBBLE_WSP_STAGES=2 runs GB10's depth on an H200 (measurement and tests).
+inline int stages() {
+  static const int n = [] {
+    if (const char* e = std::getenv("NIBBLE_WSP_STAGES"); e && std::string(e) == "2") return 2;
+    int device = 0, optin = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int static_bytes = 2 * 4 * 8 + 5 * kBM * 4;  // the kernel's barriers and token scales at S = 4
+    return optin >= smem_bytes(4, ws::kMaxRing) + static_bytes ? 4 : 2;
+  }();
+  return n;
+}
+
+template <WKind K, int R, int S, class Job>
+void launch_rs(const Job& job, int64_t max_items, const GemmActivations& a, cudaStream_t s) {
+  auto k = kernel<K, R, S, Job>;
+  const int smem = smem_bytes(S, R);
+  CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  k<<<static_cast<int>(std::min<int64_t>(max_items, sms)), kThreads, smem, s>>>(
+      job, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// Runs `job` (at most max_items items, each of k = a's row length) on the tiled one-fp16 activations a.
+template <WKind K, int S, class Job>
+void launch_s(const Job& job, int k, int64_t max_items, const GemmActivations& a, cudaStream_t s) {
+  switch (ws::ring_for((k + kBK - 1) / kBK)) {
+    case 5: return launch_rs<K, 5, S>(job, max_items, a, s);
+    case 4: return launch_rs<K, 4, S>(job, max_items, a, s);
+    case 3: return launch_rs<K, 3, S>(job, max_items, a, s);
+    case 2: return launch_rs<K, 2, S>(job, max_items, a, s);
+    default: return launch_rs<K, 1, S>(job, max_items, a, s);
+  }
+}
+template <WKind K, class Job>
+void launch(const Job& job, int k, int64_t max_items, const GemmActivations& a, cudaStream_t s) {
+  if (stages() == 4) return launch_s<K, 4>(job, k, max_items, a, s);
+  return launch_s<K, 2>(job, k, max_items, a, s);
 }
 
 }  // namespace nb::cuda::wsp
