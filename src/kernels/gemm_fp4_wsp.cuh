@@ -1,6 +1,6 @@
-// The portable warp-specialized, persistent tile of the dense prefill FP4 GEMM: y[tokens, weight rows] =
-// A x W^T with W in MXFP4/NVFP4 as the checkpoint stores it, on mma.sync m16n8k16 with both operands read
-// from shared memory by ldmatrix. sm_80-era instructions (cp.async, ldmatrix, mma.sync, mbarrier) plus
+// The portable warp-specialized, persistent tile of the prefill FP4 GEMMs (dense, and the MoE's grouped ones in
+// moe_gemm.cu): y[tokens, weight rows] = A x W^T with W in MXFP4/NVFP4 as the checkpoint stores it, on mma.sync
+// m16n8k16 with both operands read from shared memory by ldmatrix. sm_80-era instructions (cp.async, ldmatrix, mma.sync, mbarrier) plus
 // mbarrier.try_wait (every arch this project builds: sm_90a, sm_120a, sm_121a), so GB10 runs it.
 //
 // Why a second portable tile. The block tile (gemm_fp4_tile.cuh) has every warp decode a share of the next
@@ -72,8 +72,8 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* b) { mbar_arrive(smem_u32(
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* b) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
 }
-// try_wait (not sm_80's test_wait): the waiting warp is suspended in hardware, so a decoder or copier waiting
-// for a free stage leaves the issue slots to the multipliers.
+// try_wait (not sm_80's test_wait): the waiting warp is suspended in hardware, so a decoder waiting for a free
+// stage leaves the issue slots to the multipliers.
 __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred p;\nWAIT:\n"
@@ -84,11 +84,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
 }
 
 // The block's shared state: S stages, each [activations 16 KiB][decoded weights 16 KiB], with a `full` barrier
-// (128 decoder arrivals after the decode + 128 when each decoder thread's activation copies land) and an `empty` one (128 multiplier
-// arrivals); the decoder's code ring (R slots after the stages); and the token scales of the block's last
-// S + 1 tiles (written by the decoder before its first `full` arrival of a tile, read by the multipliers'
-// epilogue: the decoder runs at most S k-tiles ahead of the releases, so it cannot reach a tile S + 1 tiles
-// later before that epilogue is done).
+// (128 decoder arrivals after the decode + 128 when each decoder thread's activation copies land) and an
+// `empty` one (256 multiplier arrivals); the decoder's code ring (R slots after the stages); and the token
+// scales of the block's last S + 1 items (written by the decoder before its first `full` arrival of an item,
+// read by the multipliers' epilogue: the decoder runs at most S k-tiles ahead of the releases, so it cannot
+// reach an item S + 1 items later before that epilogue is done).
 template <int S>
 struct Pipe {
   static constexpr int kFullCount = 2 * kDecThreads, kEmptyCount = kMulThreads;
