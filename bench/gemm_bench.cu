@@ -4,12 +4,13 @@
 // both activation modes (hi + lo, one fp16), each against cuBLASLt BF16 (bf16 in, fp32 accumulate, bf16
 // out) on the same shape in the same run. Then the crossover against the GEMV path at small M (which
 // sets the thresholds in cuda_backend.cu). Each timing replays a CUDA graph of several calls.
-// Usage: nibble_gemm_bench [--quick]
+// Usage: nibble_gemm_bench [--quick | --m M[,M...]]   (--quick: M = 2048 only; --m: those token counts)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -200,13 +201,12 @@ Routes random_routes(CudaBackend& g, int64_t T, int E, int top_k, uint64_t seed)
 constexpr int64_t kD = 2880, kQDim = 64 * 64, kKvDim = 8 * 64, kFf = 2880;
 constexpr int kTopK = 4;
 
-int run(bool quick) {
+int run(const std::vector<int64_t>& ms) {
   auto split = backend(1, false), fp16 = backend(1, true), gemv = backend(1 << 30, false);
   cudaStream_t s = static_cast<cudaStream_t>(split->stream());
   LtBf16 lt(s);
   auto info = cuda_device_info(0);
   std::printf("GPU: %s\n\n", describe(*info).c_str());
-  const std::vector<int64_t> ms = quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 2048, 8192};
 
   // The tensor-pipe ceilings the ratios below are read against (bench/NOTES.md: the portable tiles issue
   // mma.sync; the sm_90a tiles and cuBLASLt issue wgmma).
@@ -320,4 +320,26 @@ int run(bool quick) {
 }  // namespace
 }  // namespace nb
 
-int main(int argc, char** argv) { return nb::run(argc > 1 && std::strcmp(argv[1], "--quick") == 0); }
+int main(int argc, char** argv) {
+  std::vector<int64_t> ms{512, 2048, 8192};
+  const std::string a1 = argc > 1 ? argv[1] : "";
+  if (a1 == "--quick") {
+    ms = {2048};
+  } else if (a1 == "--m" && argc > 2) {
+    ms.clear();
+    for (const char* p = argv[2]; *p;) {
+      char* end = nullptr;
+      const long v = std::strtol(p, &end, 10);
+      if (end == p || v < 1 || v > (1 << 20) || (*end != ',' && *end != '\0')) {
+        std::fprintf(stderr, "nibble_gemm_bench: --m wants token counts like 128,256 (got '%s')\n", argv[2]);
+        return 2;
+      }
+      ms.push_back(v);
+      p = *end ? end + 1 : end;
+    }
+  } else if (!a1.empty()) {
+    std::fprintf(stderr, "nibble_gemm_bench: unknown argument '%s' (--quick, --m M[,M...])\n", a1.c_str());
+    return 2;
+  }
+  return nb::run(ms);
+}
