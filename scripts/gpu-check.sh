@@ -73,8 +73,8 @@ fi
 #   khilo   the FP4 rows of the kernel bench with hi + lo activations (NIBBLE_GEMM_ACTIVATIONS=hi-lo; baseline)
 #   tghilo  tg128 at dense format mxfp4 with hi + lo activations (--gemm-acts hi-lo; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
-#   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS}
-#           and pp2048 of both gpt-oss configs
+#   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS},
+#           pp2048 of both gpt-oss configs, and nibble_gemm_bench --quick at GB10's 2 stages (NIBBLE_WSP_STAGES=2)
 #   tgenv   tg128 once per setting in NIBBLE_TG_ENVS (e.g. "- NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=0,NIBBLE_FUSED_HEAD=0":
 #           the defaults, one switch, two at once), alternating, NIBBLE_TG_ROUNDS rounds (default 2), dense formats
 #           NIBBLE_TG_FORMATS (default mxfp4): a switch's A/B in one build
@@ -122,7 +122,9 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
       portable)
         bench gemm_portable 300 env NIBBLE_WGMMA=0 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-}
         bench e2e_pp_portable 150 env NIBBLE_WGMMA=0 "$B"/src/nibble_e2e_bench --no-tg --pp 2048 \
-          configs/gpt-oss-20b configs/gpt-oss-120b ;;
+          configs/gpt-oss-20b configs/gpt-oss-120b
+        # GB10's depth of the warp-specialized portable tile (2 stages: its 99 KiB of shared memory per block)
+        bench gemm_portable_2stages 200 env NIBBLE_WGMMA=0 NIBBLE_WSP_STAGES=2 "$B"/src/nibble_gemm_bench --quick ;;
       profile)  # kernel timeline of tg128 (CUPTI, graph nodes included): per kernel, duration and critical-path advance
         rm -rf /tmp/prof && mkdir -p /tmp/prof
         cuda=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
