@@ -353,7 +353,7 @@ void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
-  if (a.tiled) return a.wgmma ? gemm_ws_for<K>(w, a, m, bias, y, s) : gemm_wsp_for<K>(w, a, m, bias, y, s);
+  if (a.tiled) return a.wgmma && !a.wsp ? gemm_ws_for<K>(w, a, m, bias, y, s) : gemm_wsp_for<K>(w, a, m, bias, y, s);
   if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
     if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
     if (pick_bm(m, w.n) == 128) return gemm_wgmma_for<K, 128, false>(w, a, m, bias, y, s);
@@ -387,16 +387,26 @@ bool gemm_wgmma() {
   return on;
 }
 
-bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
-  if (policy == 0 || mode != GemmActs::kFp16) return false;
-  if (!gemm_wgmma()) return m >= wsp::kBM;  // the portable warp-specialized tile (gemm_fp4_wsp.cuh)
-  if (m < ws::kBM) return false;
-  if (policy == 1) return true;
-  // Where its grid fills the GPU; and from two token tiles on, down to a grid of a third of the SMs, where it
-  // still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on 46; bench/NOTES.md,
-  // thirteenth session). Smaller grids and single token tiles were not measured: the wgmma tile keeps them.
+TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy) {
+  if (policy == 0 || mode != GemmActs::kFp16) return TiledTile::kNone;
+  if (!gemm_wgmma()) return m >= wsp::kBM ? TiledTile::kWsp : TiledTile::kNone;  // (gemm_fp4_wsp.cuh)
+  if (m < ws::kBM) return TiledTile::kNone;
+  if (policy == 1) return TiledTile::kWs;
+  // The sm_90a tile where its grid fills the GPU; and from two token tiles on, down to a grid of a third of the
+  // SMs, where it still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on 46;
+  // bench/NOTES.md, thirteenth session).
   const int64_t tiles = static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM);
-  return tiles >= sm_count() || (m >= 2 * ws::kBM && 3 * tiles >= sm_count());
+  if (tiles >= sm_count() || (m >= 2 * ws::kBM && 3 * tiles >= sm_count())) return TiledTile::kWs;
+  // Below that, from 256 tokens, the portable warp-specialized tile where its 128 x 128 items fill between half
+  // the SMs and one round (H200, gpt-oss's dense shapes against the wgmma tile, twenty-second session: at M =
+  // 256 / 384 qkv 62 -> 48 us, o at 384 87 -> 67, fc2 at 384 61 -> 48; a 46-item grid -- o and fc2 at 256 --
+  // 5-12 % slower, a 135-item one -- fc1 at 384 -- even). Else the wgmma tile.
+  const int64_t items = static_cast<int64_t>(ceil_div(n, wsp::kBN)) * ceil_div(m, wsp::kBM);
+  return 2 * items >= sm_count() && items <= sm_count() ? TiledTile::kWsp : TiledTile::kNone;
+}
+
+bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
+  return gemm_tiled_tile(m, n, mode, policy) != TiledTile::kNone;
 }
 
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {

@@ -40,15 +40,19 @@ struct GemmActivations {
   int64_t ld = 0;
   bool wgmma = false;
   bool tiled = false;
-  int64_t mp = 0;  // tiled: rows padded to whole token tiles
+  int64_t mp = 0;    // tiled: rows padded to whole token tiles
+  bool wsp = false;  // tiled: the portable warp-specialized tile even where the sm_90a one exists
 };
 
-// Whether launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on a warp-specialized tile, which needs its
-// activations tiled (one fp16 only). With the wgmma tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_ws.cuh),
-// policy -1 when its grid fills the GPU or, from m >= 512, a third of it; 0 never, 1 whenever it can (m >=
-// 256). Otherwise the portable tile (gemm_fp4_wsp.cuh): policy -1 or 1 from m >= 128, 0 never (the block
-// tile). CudaBackendOptions::gemm_ws.
-bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy);
+// Which warp-specialized tile, if any, launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on; each needs
+// its activations tiled (one fp16 only), and kWsp on an sm_90a GPU also GemmActivations::wsp. With the wgmma
+// tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_ws.cuh) at policy -1 when its grid fills the GPU or, from
+// m >= 512, a third of it, else from m >= 256 the portable one (gemm_fp4_wsp.cuh) where its grid fills half
+// the SMs to one round; at policy 1 the sm_90a tile whenever it can (m >= 256). Otherwise the portable tile: policy -1 or 1
+// from m >= 128. Policy 0: none (the wgmma or block tiles). CudaBackendOptions::gemm_ws.
+enum class TiledTile : uint8_t { kNone, kWs, kWsp };
+TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy);
+bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy);  // gemm_tiled_tile(...) != kNone
 
 // Scratch for `rows` rows of k: its size in bytes, and the pieces laid out in `buf` (16-byte aligned).
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled = false);

@@ -71,9 +71,12 @@ class PrefillGemm : public ::testing::Test {
       o.moe_gemm_min_tokens = 1;
       o.gemm_fp16_activations = mode == 1;
       // One-fp16 dense GEMMs of >= 256 tokens take the warp-specialized sm_90a tile wherever it exists;
-      // NIBBLE_GEMM_WS=0 (the ctest entry gemm_cuda_test_wgmma_tile) keeps them on the wgmma tile.
+      // NIBBLE_GEMM_WS=0 (the ctest entry gemm_cuda_test_wgmma_tile) keeps them on the wgmma tile, =auto
+      // (gemm_cuda_test_auto_tiles) lets the backend's default policy choose (on sm_90a, small grids of 256-511
+      // tokens then take the portable warp-specialized tile).
       const char* ws = std::getenv("NIBBLE_GEMM_WS");
-      o.gemm_ws = ws_policy_ = ws && std::string(ws) == "0" ? 0 : 1;
+      const std::string wss = ws ? ws : "";
+      o.gemm_ws = ws_policy_ = wss == "0" ? 0 : wss == "auto" ? -1 : 1;
       auto g = CudaBackend::create(o);
       if (!g.ok()) GTEST_SKIP() << g.status().message();
       gpu_[mode] = std::move(g.value());
@@ -130,13 +133,17 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
       {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
       {WeightFormat::kMXFP4, 1040, 96, 1, true, {4111}},               // and its steps with blocks above 2^1
       {WeightFormat::kMXFP4, 4096, 64, 1, false, {4111}},              // one k-tile, ~4 tiles per block (ws ring)
+      {WeightFormat::kNVFP4, 4096, 64, 1, false, {300}},               // 96 items: sm_90a's default takes the portable tile
       // The activation conversions: k = 4096 is the largest the one-read kernels take (tiled at m = 300 one fp16,
       // stored wgmma order at m = 70 and hi + lo); k = 4160 goes to the generic two-read kernel.
       {WeightFormat::kNVFP4, 136, 4096, 1, false, {70, 300}},
       {WeightFormat::kMXFP4, 136, 4160, 1, false, {70, 300}},
   };
-  std::printf("one-fp16 GEMMs of >= 256 tokens on a warp-specialized tile (sm_90a or portable): %s\n",
-              cuda::gemm_tiled(300, 130, cuda::GemmActs::kFp16, ws_policy_) ? "yes" : "no");
+  const cuda::TiledTile tile300 = cuda::gemm_tiled_tile(300, 4096, cuda::GemmActs::kFp16, ws_policy_);
+  std::printf("a one-fp16 GEMM of 300 tokens x 4096 rows on: %s\n",
+              tile300 == cuda::TiledTile::kWs    ? "the sm_90a warp-specialized tile"
+              : tile300 == cuda::TiledTile::kWsp ? "the portable warp-specialized tile"
+                                                 : "the wgmma or block tile");
   for (const Case& c : cases) {
     const Weight w = make_fp4(hb_, c.f, c.n, c.k, c.parts, c.extreme);
     upload(w);
