@@ -323,22 +323,24 @@ int run(const std::vector<int64_t>& ms) {
 int main(int argc, char** argv) {
   std::vector<int64_t> ms{512, 2048, 8192};
   const std::string a1 = argc > 1 ? argv[1] : "";
-  if (a1 == "--quick") {
+  if (a1 == "--quick" && argc == 2) {
     ms = {2048};
-  } else if (a1 == "--m" && argc > 2) {
+  } else if (a1 == "--m" && argc == 3) {
     ms.clear();
-    for (const char* p = argv[2]; *p;) {
+    for (const char* p = argv[2];; ) {
       char* end = nullptr;
       const long v = std::strtol(p, &end, 10);
       if (end == p || v < 1 || v > (1 << 20) || (*end != ',' && *end != '\0')) {
-        std::fprintf(stderr, "nibble_gemm_bench: --m wants token counts like 128,256 (got '%s')\n", argv[2]);
+        std::fprintf(stderr, "nibble_gemm_bench: --m %s: expected token counts like 128,256\n", argv[2]);
         return 2;
       }
       ms.push_back(v);
-      p = *end ? end + 1 : end;
+      if (*end == '\0') break;
+      p = end + 1;
     }
-  } else if (!a1.empty()) {
-    std::fprintf(stderr, "nibble_gemm_bench: unknown argument '%s' (--quick, --m M[,M...])\n", a1.c_str());
+  } else if (argc > 1) {
+    std::fprintf(stderr, "nibble_gemm_bench: arguments '%s%s': expected none, --quick or --m M[,M...]\n", a1.c_str(),
+                 argc > 2 ? " ..." : "");
     return 2;
   }
   return nb::run(ms);

@@ -1,12 +1,11 @@
 // Dense FP4 GEMM (see gemm_fp4.cuh; the tiles in gemm_fp4_tile.cuh, gemm_fp4_wgmma.cuh, gemm_fp4_ws.cuh,
-// gemm_fp4_wsp.cuh) and the fp32 -> fp16 activation conversion that every tensor-core GEMM here reads. Grid: x
-// over 128-column weight tiles, y over BM-row token tiles (the warp-specialized tiles: one persistent block
-// per SM). The heuristics: the tile height (pick_bm) and where a warp-specialized tile runs (gemm_tiled).
+// gemm_fp4_wsp.cuh) and the fp32 -> fp16 activation conversion that every tensor-core GEMM here reads. Grid:
+// x over 128-column weight tiles, y over BM-row token tiles (the warp-specialized tiles: one persistent block
+// per SM). The heuristics: the tile height (pick_bm) and where a warp-specialized tile runs
+// (gemm_tiled_tile).
 #include "kernels/gemm_fp4.cuh"
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "backend/cuda/cuda_check.h"
 #include "kernels/gemm_fp4_tile.cuh"
@@ -237,7 +236,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __gr
     if (!NIBBLE_WS_FAKE_EPI || acc[0] == 12345.0f) ws::epilogue<K>(acc, w, p.tile_unscale(it), bias, y, sc.n0(tile), m0, min(ws::kBM, m - m0));
   }
 #else
-  __trap();  // only the sm_90a build has this tile (gemm_tiled says when it runs)
+  __trap();  // only the sm_90a build has this tile (gemm_tiled_tile says when it runs)
 #endif
 }
 
@@ -279,17 +278,9 @@ __global__ void __launch_bounds__(kThreads, DenseTile<K, BM, kSplit>::kLaunchMin
   });
 }
 
-// The current device's SM count (the grids below are sized by it).
-int sm_count() {
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // Token-tile height: 128 rows when that still gives two blocks per SM, else 64 (more, smaller blocks).
 int pick_bm(int64_t m, int n) {
-  const int sms = sm_count();
+  const int sms = gemm_sm_count();
   const int64_t blocks = static_cast<int64_t>(ceil_div(n, kBN)) * ceil_div(m, 128);
   return blocks >= 2 * sms ? 128 : 64;
 }
@@ -325,7 +316,7 @@ template <WKind K, int R>
 void gemm_ws_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
   auto kernel = gemm_fp4_ws_kernel<K, R>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmem));
-  const int sms = sm_count();
+  const int sms = gemm_sm_count();
   const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, ws::kBM);
   kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), ws::kThreads, ws::kSmem, s>>>(
       w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
@@ -343,9 +334,10 @@ void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const 
   }
 }
 
-// The portable warp-specialized tile (gemm_fp4_wsp.cuh): persistent blocks over (128 weight rows, 128 tokens).
+// The portable warp-specialized tile (gemm_fp4_wsp.cuh): persistent blocks over 128 weight rows x 128 tokens.
 template <WKind K>
-void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y,
+                  cudaStream_t s) {
   const int64_t items = static_cast<int64_t>(ceil_div(w.n, wsp::kBN)) * ceil_div(m, wsp::kBM);
   wsp::launch<K>(wsp::DenseJob<K>{w, static_cast<int>(m), bias, y}, w.k, items, a, s);
 }
@@ -353,7 +345,8 @@ void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
-  if (a.tiled) return a.wgmma && !a.wsp ? gemm_ws_for<K>(w, a, m, bias, y, s) : gemm_wsp_for<K>(w, a, m, bias, y, s);
+  if (a.tiled && a.wgmma && !a.wsp) return gemm_ws_for<K>(w, a, m, bias, y, s);
+  if (a.tiled) return gemm_wsp_for<K>(w, a, m, bias, y, s);
   if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
     if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
     if (pick_bm(m, w.n) == 128) return gemm_wgmma_for<K, 128, false>(w, a, m, bias, y, s);
@@ -392,21 +385,25 @@ TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy) {
   if (!gemm_wgmma()) return m >= wsp::kBM ? TiledTile::kWsp : TiledTile::kNone;  // (gemm_fp4_wsp.cuh)
   if (m < ws::kBM) return TiledTile::kNone;
   if (policy == 1) return TiledTile::kWs;
-  // The sm_90a tile where its grid fills the GPU; and from two token tiles on, down to a grid of a third of the
-  // SMs, where it still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on 46;
-  // bench/NOTES.md, thirteenth session).
+  // The sm_90a tile where its grid fills the GPU; and from two token tiles on, down to a grid of a third of
+  // the SMs, where it still beats the wgmma tile (H100, M = 512: qkv 85 -> 50 us on 80 blocks, o 91 -> 68 on
+  // 46; bench/NOTES.md, thirteenth session).
+  const int sms = gemm_sm_count();
   const int64_t tiles = static_cast<int64_t>(ceil_div(n, ws::kBN)) * ceil_div(m, ws::kBM);
-  if (tiles >= sm_count() || (m >= 2 * ws::kBM && 3 * tiles >= sm_count())) return TiledTile::kWs;
-  // Below that, from 256 tokens, the portable warp-specialized tile where its 128 x 128 items fill between half
-  // the SMs and one round (H200, gpt-oss's dense shapes against the wgmma tile, twenty-second session: at M =
-  // 256 / 384 qkv 62 -> 48 us, o at 384 87 -> 67, fc2 at 384 61 -> 48; a 46-item grid -- o and fc2 at 256 --
-  // 5-12 % slower, a 135-item one -- fc1 at 384 -- even). Else the wgmma tile.
+  if (tiles >= sms || (m >= 2 * ws::kBM && 3 * tiles >= sms)) return TiledTile::kWs;
+  // Below that, from 256 tokens, the portable warp-specialized tile where its 128 x 128 items fill between
+  // half the SMs and one round (H200, gpt-oss's dense shapes against the wgmma tile, twenty-second session:
+  // at M = 256 / 384 qkv 62 -> 48 us, o at 384 87 -> 67, fc2 at 384 61 -> 48; a 46-item grid -- o and fc2 at
+  // 256 -- 5-12 % slower, a 135-item one -- fc1 at 384 -- even). Else the wgmma tile.
   const int64_t items = static_cast<int64_t>(ceil_div(n, wsp::kBN)) * ceil_div(m, wsp::kBM);
-  return 2 * items >= sm_count() && items <= sm_count() ? TiledTile::kWsp : TiledTile::kNone;
+  return 2 * items >= sms && items <= sms ? TiledTile::kWsp : TiledTile::kNone;
 }
 
-bool gemm_tiled(int64_t m, int n, GemmActs mode, int policy) {
-  return gemm_tiled_tile(m, n, mode, policy) != TiledTile::kNone;
+int gemm_sm_count() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
 }
 
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {

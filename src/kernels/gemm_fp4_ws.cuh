@@ -203,12 +203,14 @@ __device__ __forceinline__ void decode_half(const uint4& q, const uint32_t (&sc)
 // (the row's first chunk): its 32 code bytes as two halves with their scale bytes, which start at byte
 // (address & 3) of the two copied words.
 template <WKind K>
-__device__ __forceinline__ void decode_k_tile(const uint8_t* raw, int d, const gemm::BRow& br, int kt, int k, uint8_t* dst) {
+__device__ __forceinline__ void decode_k_tile(const uint8_t* raw, int d, const gemm::BRow& br, int kt, int k,
+                                              uint8_t* dst) {
   constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
   const uint4 q0 = *reinterpret_cast<const uint4*>(raw + d * 32);
   const uint4 q1 = *reinterpret_cast<const uint4*>(raw + d * 32 + 16);
   const uint2 sw = *reinterpret_cast<const uint2*>(raw + kRawCodes + d * 8);
-  const int sh = br.codes ? 8 * static_cast<int>(reinterpret_cast<uintptr_t>(br.scales + kt * kBK / kBlk) & 3) : 0;
+  const int sh =
+      br.codes ? 8 * static_cast<int>(reinterpret_cast<uintptr_t>(br.scales + kt * kBK / kBlk) & 3) : 0;
   const uint32_t word = static_cast<uint32_t>((static_cast<uint64_t>(sw.y) << 32 | sw.x) >> sh);
   uint32_t sc0[2], sc1[2];
   if constexpr (K == WKind::kMXFP4) {

@@ -227,10 +227,10 @@ __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* 
   reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
 }
 
-// The two projections on the portable warp-specialized tile (gemm_fp4_wsp.cuh; one fp16, off sm_90a): items are
-// (listed token tile, weight tile) pairs, token tile i / n_col, weight tile i % n_col; a token tile's rows are
-// its expert's slots from any row (the tiled activations' copy handles the alignment), and the listed tiles'
-// count is read on the device.
+// The two projections on the portable warp-specialized tile (gemm_fp4_wsp.cuh; one fp16, off sm_90a): items
+// are (listed token tile, weight tile) pairs, token tile i / n_col, weight tile i % n_col; a token tile's
+// rows are its expert's slots from any row (the tiled activations' copy handles the alignment), and the
+// listed tiles' count is read on the device.
 struct WspTiles {
   const int2* tiles;
   const int32_t* n_tiles;
@@ -238,13 +238,14 @@ struct WspTiles {
   __device__ wsp::Item item(const DevWeight* experts, int n_col, int cols_per_tile, int i) const {
     const int2 t = tiles[i / n_col];
     const int base = offsets[t.x] + t.y;
-    return wsp::Item{experts + t.x, i % n_col * cols_per_tile, base, min(wsp::kBM, offsets[t.x + 1] - base), t.x};
+    return wsp::Item{experts + t.x, i % n_col * cols_per_tile, base, min(wsp::kBM, offsets[t.x + 1] - base),
+                     t.x};
   }
 };
 
-// FC1 + bias + GLU into act: an item covers outputs j in [n0, n0 + 64). Tile row c is the gate (c % 16 < 8) or
-// up row of output n0 + 8 (c / 16) + c % 8, as on the sm_90a tile: a multiplier thread holds rows g and g + 8 of
-// each m16 tile, so the GLU meets both in one thread.
+// FC1 + bias + GLU into act: an item covers outputs j in [n0, n0 + 64). Tile row c is the gate (c % 16 < 8)
+// or up row of output n0 + 8 (c / 16) + c % 8, as on the sm_90a tile: a multiplier thread holds rows g and
+// g + 8 of each m16 tile, so the GLU meets both in one thread.
 template <WKind K>
 struct WspFc1Job {
   ExpertTable tab;
@@ -258,7 +259,8 @@ struct WspFc1Job {
   __device__ wsp::Item item(int i) const { return tl.item(tab.fc1, n_col(), wsp::kBN / 2, i); }
   __device__ int weight_row(const wsp::Item& t, int c) const {
     const int d = tab.d_expert, j = t.n0 + 8 * (c >> 4) + (c & 7);
-    const bool up = (c & 15) >= 8, interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+    const bool up = (c & 15) >= 8,
+               interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
     return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
   }
   __device__ void store(const wsp::Acc& acc, const wsp::Item& t, const float* us) const {
@@ -279,14 +281,16 @@ struct WspFc1Job {
           const int token = wsp::token_of(jn, e);
           if (token >= t.rows) continue;
           const float u = us[token];
-          act[(t.row0 + token) * d + j] = glu_value(acc[i][jn][e] * u * sg + bg, acc[i][jn][2 + e] * u * su + bu, gpt_oss, limit);
+          act[(t.row0 + token) * d + j] =
+              glu_value(acc[i][jn][e] * u * sg + bg, acc[i][jn][2 + e] * u * su + bu, gpt_oss, limit);
         }
       }
     }
   }
 };
 
-// FC2 + bias, times the pair's routing weight, into the pair's slot row: an item covers outputs [n0, n0 + 128).
+// FC2 + bias, times the pair's routing weight, into the pair's slot row: an item covers outputs
+// [n0, n0 + 128).
 template <WKind K>
 struct WspFc2Job {
   ExpertTable tab;
@@ -298,7 +302,9 @@ struct WspFc2Job {
   __device__ int n_col() const { return (tab.d_model + wsp::kBN - 1) / wsp::kBN; }
   __device__ int n_items() const { return *tl.n_tiles * n_col(); }
   __device__ wsp::Item item(int i) const { return tl.item(tab.fc2, n_col(), wsp::kBN, i); }
-  __device__ int weight_row(const wsp::Item& t, int c) const { return t.n0 + c < tab.d_model ? t.n0 + c : -1; }
+  __device__ int weight_row(const wsp::Item& t, int c) const {
+    return t.n0 + c < tab.d_model ? t.n0 + c : -1;
+  }
   __device__ void store(const wsp::Acc& acc, const wsp::Item& t, const float* us) const {
     const int n = tab.d_model;
     const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(t.e) * n : nullptr;
@@ -324,7 +330,8 @@ struct WspFc2Job {
           for (int e = 0; e < 2; ++e) {
             const int token = wsp::token_of(jn, e);
             // The weight multiplies after the bias (formats.md §2.4), as the CPU reference does.
-            if (token < t.rows) y_slot[(t.row0 + token) * n + col] = wt[jn][e] * (acc[i][jn][2 * h + e] * us[token] * sr + bc);
+            if (token < t.rows)
+              y_slot[(t.row0 + token) * n + col] = wt[jn][e] * (acc[i][jn][2 * h + e] * us[token] * sr + bc);
           }
         }
       }
@@ -337,8 +344,8 @@ void projections_wsp(const ExpertTable& t, const float* weights, int64_t n_pairs
                      const MoeGemmScratch& ws, cudaStream_t s) {
   const int64_t max_tiles = moe_gemm_max_tiles(n_pairs, t.n_experts);
   const WspTiles tl{ws.tiles, ws.n_tiles, ws.offsets};
-  wsp::launch<K>(WspFc1Job<K>{t, tl, glu, limit, ws.act}, t.d_model, max_tiles * ceil_div(t.d_expert, wsp::kBN / 2),
-                 ws.x, s);
+  wsp::launch<K>(WspFc1Job<K>{t, tl, glu, limit, ws.act}, t.d_model,
+                 max_tiles * ceil_div(t.d_expert, wsp::kBN / 2), ws.x, s);
   launch_gemm_activations(ws.act, nullptr, 1, n_pairs, t.d_expert, GemmActs::kFp16, ws.a, s);
   wsp::launch<K>(WspFc2Job<K>{t, tl, ws.pair_of, weights, ws.y_slot}, t.d_expert,
                  max_tiles * ceil_div(t.d_model, wsp::kBN), ws.a, s);
@@ -413,11 +420,11 @@ int moe_variant() {
 }
 
 // Whether the projections run on the portable warp-specialized tile: one fp16 off sm_90a, from 128 rows per
-// expert on average (a full token tile each), unless NIBBLE_MOE_VARIANT picks a block tile. Fewer rows keep the
-// block tile, which skips a tile's empty m16 rows. H200 with NIBBLE_WGMMA=0 (bench/NOTES.md, twenty-second
-// session): 256 and more rows per expert 1-5 % faster; 64 mixed (gpt-oss-20b at 512 tokens -2 %, 120b at 2048
-// neutral, its pp2048 -1 %); 16 (120b at 512 tokens) 2085 us on 64-row block tiles, 2749 on this one. Its
-// activations are tiled, with rows to spare for a token tile that starts at the last slot.
+// expert on average (a full token tile each), unless NIBBLE_MOE_VARIANT picks a block tile. Fewer rows keep
+// the block tile, which skips a tile's empty m16 rows. H200 with NIBBLE_WGMMA=0 (bench/NOTES.md,
+// twenty-second session): 256 and more rows per expert 1-5 % faster; 64 mixed (gpt-oss-20b at 512 tokens
+// -2 %, 120b at 2048 neutral, its pp2048 -1 %); 16 (120b at 512 tokens) 2085 us on 64-row block tiles, 2749 on
+// this one. Its activations are tiled, with rows to spare for a token tile that starts at the last slot.
 bool moe_wsp(GemmActs mode, int64_t n_pairs, int n_experts) {
   return mode == GemmActs::kFp16 && !gemm_wgmma() && moe_variant() < 0 &&
          n_pairs >= wsp::kBM * static_cast<int64_t>(n_experts);
@@ -437,9 +444,11 @@ MoeGemmScratch moe_scratch_layout(const ExpertTable& t, int64_t n_pairs, GemmAct
   ws.n_tiles = static_cast<int32_t*>(take(4));
   ws.slot_of = static_cast<int32_t*>(take(n_pairs * 4));
   ws.pair_of = static_cast<int32_t*>(take(n_pairs * 4));
-  ws.x = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_model, mode, tiled)), rows, t.d_model, mode, tiled);
+  ws.x = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_model, mode, tiled)), rows, t.d_model,
+                             mode, tiled);
   ws.act = static_cast<float*>(take(n_pairs * t.d_expert * 4));
-  ws.a = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_expert, mode, tiled)), rows, t.d_expert, mode, tiled);
+  ws.a = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_expert, mode, tiled)), rows, t.d_expert,
+                             mode, tiled);
   ws.y_slot = static_cast<float*>(take(n_pairs * t.d_model * 4));
   return ws;
 }
@@ -470,8 +479,9 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   NB_CHECK(n_tokens >= 1 && top_k >= 1 && moe_gemm_max_tiles(n_pairs, t.n_experts) <= 65535,
            "moe_gemm: " + std::to_string(n_tokens) + " tokens x top_k " + std::to_string(top_k));
   // Tile rows per expert block (portable block tiles): 128 when the experts average >= 128 rows (hi + lo) or
-  // >= 64 (one fp16), else 64 (measured, NOTES.md: hi + lo at M = 2048 went 125 -> 138 TFLOP/s on gpt-oss-20b).
-  // NIBBLE_MOE_VARIANT 2 and 3 measured slower (114 / 112 TFLOP/s on 20b). The warp-specialized tile: 128.
+  // >= 64 (one fp16), else 64 (measured, NOTES.md: hi + lo at M = 2048 went 125 -> 138 TFLOP/s on
+  // gpt-oss-20b). NIBBLE_MOE_VARIANT 2 and 3 measured slower (114 / 112 TFLOP/s on 20b). The warp-specialized
+  // tile: 128.
   const bool split = mode == GemmActs::kSplit, wsp_tile = moe_wsp(mode, n_pairs, t.n_experts);
   int var = moe_variant();
   // (2 and 3 exist for hi + lo MXFP4 only; elsewhere the knob picks the tile height: 1 or 3 = 128 rows.)
@@ -485,7 +495,8 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   // an expert with fewer costs no extra MMAs, and most experts then take one tile instead of two).
   const int bm = ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
                  : wsp_tile ? wsp::kBM
-                            : var == 1 || var == 3 ? 128 : 64;
+                 : var == 1 || var == 3 ? 128
+                                        : 64;
   group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts, bm,
                                                                   ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
                                                                   ws.n_tiles);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "backend/cpu/cpu_backend.h"
@@ -48,16 +49,18 @@ Model::Model(ModelConfig config, Checkpoint checkpoint, std::unique_ptr<Backend>
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOptions& options) {
   // Environment switches, checked on every backend so that a misspelt value is an error, not a silently
-  // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default) or hi-lo (~22 bits,
-  // slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read by the kernels)
-  // NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws; unset: the
-  // backend's choice), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher), NIBBLE_STREAM_ONE_ROUND
-  // (the one-token FP4 kernels' one-round grids, read by their launchers), NIBBLE_ATTN_KEYS
-  // (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA (the 2..8-token tensor-core
-  // FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
+  // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default)
+  // or hi-lo (~22 bits, slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read
+  // by the kernels) NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws;
+  // unset: the backend's choice), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher),
+  // NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
+  // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
+  // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes)
-  // and NIBBLE_FUSED_HEAD (::fused_head). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the one-token FP4 kernels' grids
-  // sized for at most that many SMs). (Values unused in a CPU-only build.)
+  // and NIBBLE_FUSED_HEAD (::fused_head). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the
+  // one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
+  // launchers: NIBBLE_WSP_STAGES (2: the portable warp-specialized tile at GB10's depth) and
+  // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
@@ -76,6 +79,12 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     if (end == v || *end != '\0' || n < 1 || n > 100000)
       return error(std::string("NIBBLE_STREAM_SMS=") + v + ": expected a positive SM count");
   }
+  if (const char* v = std::getenv("NIBBLE_WSP_STAGES"); v && std::string(v) != "2")
+    return error(std::string("NIBBLE_WSP_STAGES=") + v + ": expected 2 (unset: the GPU's own depth)");
+  if (const char* v = std::getenv("NIBBLE_MOE_VARIANT");
+      v && !(std::strlen(v) == 1 && v[0] >= '0' && v[0] <= '3'))
+    return error(std::string("NIBBLE_MOE_VARIANT=") + v +
+                 ": expected 0, 1, 2 or 3 (unset: the backend's choice)");
   NB_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(dir));
   NB_RETURN_IF_ERROR(check_dims(config).with_context(dir));
   // The backend, and the weights' bytes on its device (CPU: the mmapped checkpoint as it is).

@@ -72,8 +72,8 @@ class PrefillGemm : public ::testing::Test {
       o.gemm_fp16_activations = mode == 1;
       // One-fp16 dense GEMMs of >= 256 tokens take the warp-specialized sm_90a tile wherever it exists;
       // NIBBLE_GEMM_WS=0 (the ctest entry gemm_cuda_test_wgmma_tile) keeps them on the wgmma tile, =auto
-      // (gemm_cuda_test_auto_tiles) lets the backend's default policy choose (on sm_90a, small grids of 256-511
-      // tokens then take the portable warp-specialized tile).
+      // (gemm_cuda_test_auto_tiles) lets the backend's default policy choose (on sm_90a, small grids of
+      // 256-511 tokens then take the portable warp-specialized tile).
       const char* ws = std::getenv("NIBBLE_GEMM_WS");
       const std::string wss = ws ? ws : "";
       o.gemm_ws = ws_policy_ = wss == "0" ? 0 : wss == "auto" ? -1 : 1;
@@ -133,7 +133,7 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
       {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},             // enough tiles for the 128-row tile
       {WeightFormat::kMXFP4, 1040, 96, 1, true, {4111}},               // and its steps with blocks above 2^1
       {WeightFormat::kMXFP4, 4096, 64, 1, false, {4111}},              // one k-tile, ~4 tiles per block (ws ring)
-      {WeightFormat::kNVFP4, 4096, 64, 1, false, {300}},               // 96 items: sm_90a's default takes the portable tile
+      {WeightFormat::kNVFP4, 4096, 64, 1, false, {300}},               // 96 items: the portable tile (sm_90a auto)
       // The activation conversions: k = 4096 is the largest the one-read kernels take (tiled at m = 300 one fp16,
       // stored wgmma order at m = 70 and hi + lo); k = 4160 goes to the generic two-read kernel.
       {WeightFormat::kNVFP4, 136, 4096, 1, false, {70, 300}},

@@ -151,6 +151,19 @@ def test_gemm_activations_env_is_checked():
         assert len(nibble(*args, env={"NIBBLE_GEMM_ACTIVATIONS": ok}).stdout.split()) == 2
 
 
+def test_gemm_measurement_envs_are_checked():
+    """NIBBLE_WSP_STAGES (2: the portable warp-specialized GEMM tile at GB10's pipeline depth) and
+    NIBBLE_MOE_VARIANT (0-3: a portable block tile for the MoE GEMMs) are measurement switches; a misspelt value
+    is a one-line error, not a silent default."""
+    model = ROOT / "models" / "default"
+    args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
+    for var, bad, needle in (("NIBBLE_WSP_STAGES", "4", "expected 2"), ("NIBBLE_WSP_STAGES", "two", "expected 2"),
+                             ("NIBBLE_MOE_VARIANT", "x", "0, 1, 2 or 3"), ("NIBBLE_MOE_VARIANT", "4", "0, 1, 2 or 3")):
+        assert_one_line_error(nibble(*args, check=False, env={var: bad}), f"{var}={bad}", needle)
+    for var, ok in (("NIBBLE_WSP_STAGES", "2"), ("NIBBLE_MOE_VARIANT", "1")):
+        assert len(nibble(*args, env={var: ok}).stdout.split()) == 2
+
+
 @pytest.mark.parametrize("var", ["NIBBLE_FP4_STREAM", "NIBBLE_DECODE_FUSION", "NIBBLE_GEMM_WS", "NIBBLE_FC1_EVEN",
                                  "NIBBLE_ATTN_KEYS", "NIBBLE_L2_PREFETCH", "NIBBLE_FP4_MMA", "NIBBLE_WGMMA",
                                  "NIBBLE_DEFER_ROUTES", "NIBBLE_FUSED_HEAD"])
@@ -197,6 +210,25 @@ def test_e2e_bench_rejects_bad_arguments(args, needles):
     """The end-to-end benchmark checks its arguments before touching a GPU: one line, exit 2."""
     proc = subprocess.run([str(E2E_BENCH), *args, "configs/gpt-oss-20b"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, *needles)
+
+
+GEMM_BENCH = pathlib.Path(NIBBLE).parent / "nibble_gemm_bench"
+
+
+@pytest.mark.skipif(not GEMM_BENCH.exists(), reason="no CUDA build (nibble_gemm_bench)")
+@pytest.mark.parametrize("args,needles", [
+    (["--m", "12x"], ["--m 12x", "token counts"]),
+    (["--m", "512,"], ["--m 512,", "token counts"]),
+    (["--m", "0"], ["--m 0", "token counts"]),
+    (["--m"], ["'--m'", "--quick or --m"]),
+    (["--quick", "--m", "128"], ["'--quick ...'", "--quick or --m"]),
+    (["--bogus"], ["'--bogus'", "--quick or --m"]),
+])
+def test_gemm_bench_rejects_bad_arguments(args, needles):
+    """The prefill GEMM benchmark checks its arguments before touching a GPU: one line, exit 2."""
+    proc = subprocess.run([str(GEMM_BENCH), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert_one_line_error(proc, *needles)
 

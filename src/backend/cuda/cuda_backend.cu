@@ -629,10 +629,12 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
   if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
     const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
-    const cuda::TiledTile tile = cuda::gemm_tiled_tile(m, static_cast<int>(w.n), mode, impl_->options.gemm_ws);
+    const cuda::TiledTile tile =
+        cuda::gemm_tiled_tile(m, static_cast<int>(w.n), mode, impl_->options.gemm_ws);
     const bool tiled = tile != cuda::TiledTile::kNone;
     Tensor scratch = alloc(DType::kU8, {cuda::gemm_activations_bytes(m, static_cast<int>(w.k), mode, tiled)});
-    cuda::GemmActivations a = cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode, tiled);
+    cuda::GemmActivations a =
+        cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode, tiled);
     a.wsp = tile == cuda::TiledTile::kWsp;
     cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
     cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);

@@ -42,14 +42,15 @@ struct CudaBackendOptions {
   bool decode_fusion = true;
   // FP4 dense prefill GEMMs on a warp-specialized tile (one-fp16 activations only). sm_90a (gemm_fp4_ws.cuh):
   // -1 where its 128 x 256 blocks fill the GPU or, from 512 tokens, a third of it, else from 256 tokens the
-  // portable tile where its 128 x 128 items fill half the SMs to one round; 0 never (the wgmma tile); 1 the sm_90a tile from 256
-  // tokens on (tests). Elsewhere, the portable tile (gemm_fp4_wsp.cuh): -1 and 1 from 128 tokens on, 0 never
-  // (the block tile). NIBBLE_GEMM_WS=0|1.
+  // portable tile where its 128 x 128 items fill half the SMs to one round; 0 never (the wgmma tile); 1 the
+  // sm_90a tile from 256 tokens on (tests). Elsewhere, the portable tile (gemm_fp4_wsp.cuh): -1 and 1 from
+  // 128 tokens on, 0 never (the block tile). NIBBLE_GEMM_WS=0|1.
   int gemm_ws = -1;
   // Backend::prefetch issues L2 prefetches (NIBBLE_L2_PREFETCH=1). Off by default since the twenty-first
-  // session (H200, tg128 at a 64-token context: off +1.2 % gpt-oss-120b, +0.6 % 20b all-MXFP4, +0.5-1.1 % FP8,
-  // `keep` neutral; after a 4096-token prompt the 20b 0.7 % slower off): the 14 MB of the next layer's QKV and
-  // O that FC1 prefetched delayed its own weights more than they saved the small projections (bench/NOTES.md).
+  // session (H200, tg128 at a 64-token context: off +1.2 % gpt-oss-120b, +0.6 % 20b all-MXFP4, +0.5-1.1 %
+  // FP8, `keep` neutral; after a 4096-token prompt the 20b 0.7 % slower off): the 14 MB of the next layer's
+  // QKV and O that FC1 prefetched delayed its own weights more than they saved the small projections
+  // (bench/NOTES.md).
   bool l2_prefetch = false;
   // add_rms_norm_route at one token defers the expert selection to the MoE kernels (Routes::logits;
   // NIBBLE_DEFER_ROUTES=0: the norm_route kernel selects them, a benchmark baseline).
