@@ -16,6 +16,8 @@
 //   --gemm-acts: the FP4 tensor-core paths' activations (prefill GEMMs and one-token decode GEMVs): one fp16
 //   (the default) or hi + lo
 //   (e.g. configs/gpt-oss-20b configs/gpt-oss-120b)
+//   NIBBLE_BENCH_HOST_TIMES=1: also the host's mean time per decode step in enqueue_sampled and wait_sampled
+//   (stderr; the default async loop): whether the host keeps ahead of the GPU
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -272,14 +274,25 @@ void run_decode(const Args& args, double bw) {
       if (args.sync_decode) {
         for (int step = 2; ok && step < kSteps + 2; ++step) ok = model.forward_sampled(token(step), *cache, {SampleSpec{}}).ok();
       } else {
+        // NIBBLE_BENCH_HOST_TIMES=1: the host's mean time in enqueue_sampled and wait_sampled per step (stderr)
+        double t_enq = 0, t_wait = 0;
+        auto now = [] { return std::chrono::steady_clock::now(); };
+        auto secs_since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
         ok = model.enqueue_sampled(token(2), *cache, {SampleSpec{}}).ok();
         for (int step = 3; ok && step < kSteps + 2; ++step) {
           Batch b2 = token(step);
           b2.tokens = {-1};  // the previous step's id, on the device
+          const auto t0 = now();
           ok = model.enqueue_sampled(b2, *cache, {SampleSpec{}}).ok();
+          const auto t1 = now();
+          t_enq += secs_since(t0);
           model.wait_sampled();  // the previous step's id
+          t_wait += secs_since(t1);
         }
         if (ok) model.wait_sampled();
+        if (const char* e = std::getenv("NIBBLE_BENCH_HOST_TIMES"); e && e[0] == '1')
+          std::fprintf(stderr, "%s host per step: enqueue %.1f us, wait %.1f us\n", dir.c_str(), 1e6 * t_enq / (kSteps - 1),
+                       1e6 * t_wait / (kSteps - 1));
       }
       if (!ok) {
         std::printf("| %s | %s | decode step failed |\n", dir.c_str(), dense_format_name(dense));

@@ -68,6 +68,12 @@ struct BatchInfo {
   std::vector<SeqInfo> seqs;
   std::vector<int32_t> logit_rows;  // batch rows whose logits are returned, in batch order
   int64_t n_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  // Whether logit_rows is every row in order (a decode step): the rows need no gather.
+  bool logits_of_every_row() const {
+    for (size_t i = 0; i < logit_rows.size(); ++i)
+      if (logit_rows[i] != static_cast<int32_t>(i)) return false;
+    return static_cast<int64_t>(logit_rows.size()) == n_tokens();
+  }
 };
 
 // RoPE in the half-split (NeoX / rotate_half) layout: dims [0, d/2) pair with [d/2, d).

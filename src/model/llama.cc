@@ -61,7 +61,7 @@ class Llama final : public Model {
       y = be.linear(be.swiglu(gate, up), L.mlp.down, nullptr);
     }
     x = be.add_rms_norm(x, y, final_norm_, c.rms_norm_eps);
-    x = be.gather_rows(x, b.logit_rows);
+    if (!b.logits_of_every_row()) x = be.gather_rows(x, b.logit_rows);  // (decode: no copy)
     return be.linear(x, lm_head_, nullptr);  // [n_logit_rows, vocab]
   }
 

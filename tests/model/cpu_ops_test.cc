@@ -405,5 +405,22 @@ TEST(Attention, QkvRopeKvWriteMatchesDirect) {
   }
 }
 
+// A step whose logit rows are every row in order needs no gather before the lm_head (the models skip it).
+TEST(BatchInfo, LogitsOfEveryRow) {
+  BatchInfo b;
+  b.tokens = {5, 6, 7};
+  b.logit_rows = {0, 1, 2};
+  EXPECT_TRUE(b.logits_of_every_row());
+  b.logit_rows = {2};  // a prefill step: the last token's
+  EXPECT_FALSE(b.logits_of_every_row());
+  b.logit_rows = {0, 2, 1};
+  EXPECT_FALSE(b.logits_of_every_row());
+  b.logit_rows = {0, 1};
+  EXPECT_FALSE(b.logits_of_every_row());
+  b.tokens = {9};
+  b.logit_rows = {0};  // a one-token decode step
+  EXPECT_TRUE(b.logits_of_every_row());
+}
+
 }  // namespace
 }  // namespace nb
