@@ -78,12 +78,20 @@ struct Args {
   int gemm_acts = -1;  // FP4 tensor-core activations: -1 the default, 0 hi + lo, 1 one fp16
   int depth = 0;       // decode context before tg128 (0: a one-token prompt)
   bool sync_decode = false;
+  bool host_times = false;  // NIBBLE_BENCH_HOST_TIMES=1
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
   std::vector<std::string> dirs;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
+  if (const char* e = std::getenv("NIBBLE_BENCH_HOST_TIMES")) {
+    if (std::string(e) != "0" && std::string(e) != "1") {
+      std::fprintf(stderr, "nibble_e2e_bench: error: NIBBLE_BENCH_HOST_TIMES=%s: expected 0 or 1\n", e);
+      std::exit(2);
+    }
+    a.host_times = std::string(e) == "1";
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (s == "--pp" && i + 1 < argc) {
@@ -274,25 +282,23 @@ void run_decode(const Args& args, double bw) {
       if (args.sync_decode) {
         for (int step = 2; ok && step < kSteps + 2; ++step) ok = model.forward_sampled(token(step), *cache, {SampleSpec{}}).ok();
       } else {
-        // NIBBLE_BENCH_HOST_TIMES=1: the host's mean time in enqueue_sampled and wait_sampled per step (stderr)
-        double t_enq = 0, t_wait = 0;
-        auto now = [] { return std::chrono::steady_clock::now(); };
-        auto secs_since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
+        using Clock = std::chrono::steady_clock;
+        std::chrono::duration<double> t_enq{}, t_wait{};  // the host's time in enqueue / wait (host_times)
         ok = model.enqueue_sampled(token(2), *cache, {SampleSpec{}}).ok();
         for (int step = 3; ok && step < kSteps + 2; ++step) {
           Batch b2 = token(step);
           b2.tokens = {-1};  // the previous step's id, on the device
-          const auto t0 = now();
+          const auto t0 = Clock::now();
           ok = model.enqueue_sampled(b2, *cache, {SampleSpec{}}).ok();
-          const auto t1 = now();
-          t_enq += secs_since(t0);
+          const auto t1 = Clock::now();
           model.wait_sampled();  // the previous step's id
-          t_wait += secs_since(t1);
+          t_enq += t1 - t0;
+          t_wait += Clock::now() - t1;
         }
         if (ok) model.wait_sampled();
-        if (const char* e = std::getenv("NIBBLE_BENCH_HOST_TIMES"); e && e[0] == '1')
-          std::fprintf(stderr, "%s host per step: enqueue %.1f us, wait %.1f us\n", dir.c_str(), 1e6 * t_enq / (kSteps - 1),
-                       1e6 * t_wait / (kSteps - 1));
+        if (args.host_times)
+          std::fprintf(stderr, "%s host per step: enqueue %.1f us, wait %.1f us\n", dir.c_str(),
+                       1e6 * t_enq.count() / (kSteps - 1), 1e6 * t_wait.count() / (kSteps - 1));
       }
       if (!ok) {
         std::printf("| %s | %s | decode step failed |\n", dir.c_str(), dense_format_name(dense));

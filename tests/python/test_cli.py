@@ -214,6 +214,16 @@ def test_e2e_bench_rejects_bad_arguments(args, needles):
     assert_one_line_error(proc, *needles)
 
 
+@pytest.mark.skipif(not E2E_BENCH.exists(), reason="no CUDA build (nibble_e2e_bench)")
+def test_e2e_bench_rejects_bad_host_times_env():
+    """NIBBLE_BENCH_HOST_TIMES (the host's time per decode step) takes 0 or 1: anything else is one line, exit 2."""
+    env = dict(os.environ, NIBBLE_BENCH_HOST_TIMES="yes")
+    proc = subprocess.run([str(E2E_BENCH), "configs/gpt-oss-20b"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "NIBBLE_BENCH_HOST_TIMES=yes", "0 or 1")
+
+
 GEMM_BENCH = pathlib.Path(NIBBLE).parent / "nibble_gemm_bench"
 
 
