@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "graph_time.h"  // (bench/)
 
 namespace nb {
 namespace {
@@ -28,33 +29,7 @@ namespace {
 // Average microseconds of one body(i) over `calls` calls captured in a graph (best of 3 replays).
 template <class F>
 double time_us(cudaStream_t s, int calls, F&& body) {
-  for (int i = 0; i < 2; ++i) body(i);  // warm: tables, pool sizes
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaGraph_t g;
-  cudaGraphExec_t e;
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-  for (int i = 0; i < calls; ++i) body(i);
-  CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  CUDA_CHECK(cudaGraphLaunch(e, s));
-  float best = 1e30f;
-  for (int r = 0; r < 3; ++r) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    CUDA_CHECK(cudaGraphLaunch(e, s));
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::min(best, ms);
-  }
-  CUDA_CHECK(cudaGraphExecDestroy(e));
-  CUDA_CHECK(cudaGraphDestroy(g));
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
-  return best * 1e3 / calls;
+  return graph_time_us(s, calls, 3, body);
 }
 
 // The portable path's own ceiling: mma.sync m16n8k16 (fp16 in, fp32 accumulate, the instruction every

@@ -21,7 +21,8 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "kernels/bandwidth.cuh"
-#include "stamps.h"  // (bench/)
+#include "graph_time.h"  // (bench/)
+#include "stamps.h"      // (bench/)
 
 namespace nb {
 namespace {
@@ -31,36 +32,10 @@ constexpr int kTopK = 4;
 
 struct Timer {
   cudaStream_t s;
-  // Average microseconds of one call of `body(i)` over kCalls calls captured in a graph.
+  // Average microseconds of one call of `body(i)` over kCalls calls captured in a graph (best of 5 replays).
   template <class F>
   double time(F&& body) {
-    for (int i = 0; i < 2; ++i) body(i);  // warm: lazily built tables, pool
-    CUDA_CHECK(cudaStreamSynchronize(s));
-    cudaGraph_t g;
-    cudaGraphExec_t e;
-    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    for (int i = 0; i < kCalls; ++i) body(i);
-    CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaGraphLaunch(e, s));
-    float best = 1e30f;
-    for (int r = 0; r < 5; ++r) {
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      CUDA_CHECK(cudaGraphLaunch(e, s));
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      best = std::min(best, ms);
-    }
-    CUDA_CHECK(cudaGraphExecDestroy(e));
-    CUDA_CHECK(cudaGraphDestroy(g));
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
-    return best * 1e3 / kCalls;
+    return graph_time_us(s, kCalls, 5, body);
   }
 };
 
