@@ -34,7 +34,9 @@ __device__ inline void load_logits_warp(const float* logits, int n, float* s) {
 // warp argmax (ties to the lower id, as on the CPU; two redux.sync per round). Lane 0 writes ids [top_k]
 // and weights [top_k] (global or shared memory): gpt-oss (softmax_first false) softmaxes the k chosen
 // logits; qwen3_moe softmaxes all logits first and optionally renormalizes the k. Softmax statistics in
-// fp32, as the references compute them.
+// fp32, as the references compute them. A round in which no logit left is above -inf (all NaN or -inf: a
+// broken checkpoint or activation) takes the lowest id not chosen yet, with weight NaN -- the CPU ranks NaN
+// with -inf -- so that ids stay in range and distinct: garbage out, never a read past the expert table.
 __device__ inline void route_warp(float* s, int n_experts, int top_k, bool softmax_first, bool renormalize,
                                   int32_t* __restrict__ ids, float* __restrict__ weights) {
   const int lane = threadIdx.x & 31;
@@ -54,6 +56,16 @@ __device__ inline void route_warp(float* s, int n_experts, int top_k, bool softm
     return u & 0x80000000u ? ~u : u | 0x80000000u;
   };
   auto unordered = [](uint32_t k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); };
+  // Chosen experts are marked with a NaN pattern no arithmetic produces (the GPU's NaN is 0x7fffffff): like
+  // -inf it never wins a round, unlike -inf it tells a chosen expert from a logit.
+  const float chosen = __uint_as_float(0xfffffffeu);
+  auto is_chosen = [](float f) { return __float_as_uint(f) == 0xfffffffeu; };
+  // The cold round: the lowest id whose value is not marked (first: the lane's, n_experts if none).
+  auto pick_unchosen = [&](int i, int first) {
+    const int who = static_cast<int>(__reduce_min_sync(0xffffffffu, static_cast<uint32_t>(first)));
+    if (lane == 0) ids[i] = who, weights[i] = __uint_as_float(0x7fffffffu);
+    return who;
+  };
   // One round: the warp's largest value, then the lowest id holding it -- two redux.sync instead of five
   // dependent shuffle pairs (this runs on the decode step's critical path); (best, best_id): the lane's.
   auto pick = [&](int i, float best, int best_id) {
@@ -75,10 +87,17 @@ __device__ inline void route_warp(float* s, int n_experts, int top_k, bool softm
 #pragma unroll
       for (int j = 0; j < kPer; ++j)
         if (v[j] > best) best = v[j], best_id = lane + 32 * j;  // ascending id: the first maximum wins
-      const int who = pick(i, best, best_id);
+      int who = pick(i, best, best_id);
+      if (who >= n_experts) {  // warp-uniform: every lane saw the same reductions
+        int first = n_experts;
+#pragma unroll
+        for (int j = kPer - 1; j >= 0; --j)
+          if (lane + 32 * j < n_experts && !is_chosen(v[j])) first = lane + 32 * j;
+        who = pick_unchosen(i, first);
+      }
 #pragma unroll
       for (int j = 0; j < kPer; ++j)
-        if (lane + 32 * j == who) v[j] = -INFINITY;
+        if (lane + 32 * j == who) v[j] = chosen;
     }
   } else {
     for (int i = 0; i < top_k; ++i) {
@@ -86,8 +105,14 @@ __device__ inline void route_warp(float* s, int n_experts, int top_k, bool softm
       int best_id = n_experts;
       for (int e = lane; e < n_experts; e += 32)
         if (s[e] > best) best = s[e], best_id = e;  // ascending e: the first maximum wins within a lane
-      const int who = pick(i, best, best_id);
-      if (who < n_experts && lane == who % 32) s[who] = -INFINITY;  // (each lane scans only its own experts)
+      int who = pick(i, best, best_id);
+      if (who >= n_experts) {  // warp-uniform, as above
+        int first = n_experts;
+        for (int e = lane; e < n_experts && first == n_experts; e += 32)
+          if (!is_chosen(s[e])) first = e;
+        who = pick_unchosen(i, first);
+      }
+      if (lane == who % 32) s[who] = chosen;  // (each lane scans only its own experts)
     }
   }
   if (lane != 0) return;  // lane 0 reads back only what it wrote

@@ -632,6 +632,42 @@ TEST_F(CudaOps, RmsNormLongRows) {
 // path (BF16 router, up to 16 tokens; gpt-oss-120b's and Qwen3-30B-A3B's shapes, no residual, run twice so
 // the arrival counters must have been reset) and the fallbacks (17 tokens; an fp32 router). The one-token
 // case defers its routes (Routes::logits, the residual sum in a new buffer); resolve_routes selects them.
+// Logits with no maximum left (all NaN, all -inf, finite ones fewer than top_k): the GPU's ids equal the
+// CPU's (NaN ranks as -inf, ties to the lower id), so they are in range and distinct -- an id past the
+// expert table made the expert kernels read out of bounds. 8 experts: route_warp's register path; 300: its
+// shared-memory path.
+TEST_F(CudaOps, MoeRouteNonFiniteLogits) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const int E : {8, 300}) {
+    const int T = 4, top_k = 4;
+    std::vector<float> logits = randn(T * E);
+    for (int e = 0; e < E; ++e) {
+      logits[0 * E + e] = nan;                              // token 0: all NaN
+      logits[1 * E + e] = -inf;                             // token 1: all -inf
+      if (e % 3 != 1) logits[2 * E + e] = e % 2 ? -inf : nan;  // token 2: a few finite, the rest not
+    }
+    // token 3: finite (the ordinary path in the same launch)
+    for (const RouterKind kind : {RouterKind::kTopKThenSoftmax, RouterKind::kSoftmaxThenTopK}) {
+      const Routes cr = cpu_.moe_route(cpu_t(logits, {T, E}), top_k, kind, false);
+      const Routes gr = gpu_->moe_route(gpu_t(logits, {T, E}), top_k, kind, false);
+      std::vector<int32_t> gids(T * top_k);
+      cudaDeviceSynchronize();  // the backend works on its own non-blocking stream
+      ASSERT_EQ(cudaMemcpy(gids.data(), gr.ids.data<int32_t>(), gids.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < top_k; ++i) {
+          const int32_t id = gids[t * top_k + i];
+          ASSERT_TRUE(id >= 0 && id < E) << "E " << E << " token " << t << " id " << id;
+          for (int j = 0; j < i; ++j) ASSERT_NE(gids[t * top_k + j], id) << "E " << E << " token " << t;
+          EXPECT_EQ(cr.ids.data<int32_t>()[t * top_k + i], id) << "E " << E << " token " << t << " rank " << i;
+        }
+      }
+      // The finite token's weights as usual.
+      const std::vector<float> gw = gpu_->to_host(gr.weights), cw = cpu_.to_host(cr.weights);
+      for (int i = 0; i < top_k; ++i) EXPECT_NEAR(cw[3 * top_k + i], gw[3 * top_k + i], 1e-6f) << "E " << E;
+    }
+  }
+}
+
 TEST_F(CudaOps, AddRmsNormRoute) {
   struct Case {
     int64_t T, d;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <numbers>
 #include <random>
 
@@ -275,6 +276,17 @@ TEST(Moe, RoutingBothKinds) {
   EXPECT_NEAR(b.weights.data<float>()[1], std::exp(2.0) / z, 1e-6);
   Routes c = be.moe_route(l, 2, RouterKind::kSoftmaxThenTopK, true);
   EXPECT_NEAR(c.weights.data<float>()[0], a.weights.data<float>()[0], 1e-6);
+}
+
+// NaN logits rank as -inf, ties to the lower id: ids stay in range and distinct (a broken router must not
+// index past the expert table).
+TEST(Moe, RoutingNonFiniteLogits) {
+  CpuBackend be(1);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const Tensor l = to_tensor(be, {nan, 1.0f, -inf, nan, 2.0f, nan}, {1, 6});
+  Routes a = be.moe_route(l, 4, RouterKind::kTopKThenSoftmax, false);
+  const std::vector<int32_t> want = {4, 1, 0, 2};
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(a.ids.data<int32_t>()[i], want[i]) << i;
 }
 
 // Experts vs a direct loop, for gpt-oss (interleaved, clamped, biased) and Qwen3 (halves, SiLU).

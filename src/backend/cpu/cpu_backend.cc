@@ -239,10 +239,13 @@ Routes CpuBackend::moe_route(const Tensor& logits, int top_k, RouterKind kind, b
       for (float& v : s) sum += (v = std::exp(v - m));
       for (float& v : s) v /= sum;
     }
-    // Top-k by value, ties to the lower expert id (torch.topk on distinct values is unambiguous).
+    // Top-k by value, ties to the lower expert id (torch.topk on distinct values is unambiguous). NaN
+    // ranks as -inf (a strict weak order, and the CUDA kernels' choice): a broken router gives garbage
+    // weights, with ids in range.
+    auto key = [&](int32_t e) { return std::isnan(s[e]) ? -INFINITY : s[e]; };
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+                      [&](int32_t a, int32_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); });
     int32_t* ids = r.ids.data<int32_t>() + t * top_k;
     float* w = r.weights.data<float>() + t * top_k;
     for (int i = 0; i < top_k; ++i) ids[i] = order[i], w[i] = s[order[i]];
