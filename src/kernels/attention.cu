@@ -15,6 +15,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/backend.h"
+#include "kernels/stage.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -46,13 +47,37 @@ __global__ void kv_write_kernel(typename KvElem<K>::T* __restrict__ kc, typename
   vc[slot * row + e] = KvElem<K>::enc(v[i]);
 }
 
+// The final values of (token, head) th -- v: dims lane + 32 i of the warp -- into out, and with
+// a.stage_planes (one token: th is the head) as O's staged input: fp16 at 2^s, s from the head's max |v|
+// (fp16_prescale_shift, as the linear kernel would take it for a row whose max this is), and s per group
+// of 32 dims. Called by one warp; D >= head_dim / 32 (the caller's bound: registers).
+template <int D>
+__device__ void write_head(const AttnShape& a, int64_t th, const float (&v)[D], float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, hd = a.head_dim;
+  float mx = 0.0f;
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (lane + 32 * i < hd) out[th * hd + lane + 32 * i] = v[i], mx = fmaxf(mx, fabsf(v[i]));
+  if (!a.stage_planes) return;
+  // (max |v| as one redux: non-negative floats order as their bits)
+  const float head_max = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
+  const int s = fp16_prescale_shift(head_max), k = a.n_heads * hd, e0 = static_cast<int>(th) * hd;
+  const float pre = pow2f(s);
+#pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (lane + 32 * i < hd)
+      a.stage_planes[staged_half(0, e0 + lane + 32 * i, k)] = __half_as_ushort(__float2half_rn(v[i] * pre));
+  if (lane < hd / 32) a.stage_shifts[e0 / 32 + lane] = static_cast<int8_t>(s);
+}
+
 // Merges the splits of (token, head) th into out, adding the sink to the denominator. Loads bypass L1:
 // in the fused path the partials were written by other blocks of the same grid. Every load of a phase is
 // issued at once -- the first warp's lanes read the splits' (max, sum) pairs, then each thread's output
 // dims read all splits' partials in an unrolled loop -- so the merge costs two memory round trips rather
 // than one per split (it runs in the last split block, on the decode step's critical path).
 constexpr int kMaxSplits = 64;
-// S splits (0 .. S - 1) of the a.n_splits slots per (token, head) hold partials.
+// S splits (0 .. S - 1) of the a.n_splits slots per (token, head) hold partials. D: as write_head's.
+template <int D = kDimsPerLane>
 __device__ void combine_splits(int64_t th, const float* __restrict__ ml, const float* __restrict__ po,
                                const AttnShape& a, int S, float* __restrict__ out) {
   __shared__ float weight[kMaxSplits];  // exp(m_s - m) / l per split (0 for an empty split)
@@ -77,6 +102,22 @@ __device__ void combine_splits(int64_t th, const float* __restrict__ ml, const f
       if (lane + 32 * j < S) weight[lane + 32 * j] = ms[j] == -INFINITY ? 0.0f : expf(ms[j] - m) / l;
   }
   __syncthreads();
+  if (a.stage_planes) {  // one warp takes every dim: the head's max is a warp max (write_head)
+    if (threadIdx.x >= 32) return;
+    float v[D];
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      const int d = threadIdx.x + 32 * i;
+      float acc = 0.0f;
+      if (d < hd) {
+#pragma unroll 8
+        for (int sp = 0; sp < S; ++sp) acc += __ldcg(po + (th * stride + sp) * hd + d) * weight[sp];
+      }
+      v[i] = acc;
+    }
+    write_head(a, th, v, out);
+    return;
+  }
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
 #pragma unroll 8
@@ -97,7 +138,7 @@ struct WarpParts {
 // finish merges them all. A split that is the only one writes the final output itself (the sink joins the
 // max and the denominator here): no partial, fence or arrival. sink: a.sinks[h] (loaded early by the
 // caller) or -inf.
-template <int W>
+template <int W, int D = kDimsPerLane>
 __device__ void finish_split(WarpParts<W>& parts, int64_t t, int h, int split, int n_live, float sink,
                              const AttnShape& a, float* __restrict__ ml, float* __restrict__ po,
                              float* __restrict__ attn_out) {
@@ -112,6 +153,20 @@ __device__ void finish_split(WarpParts<W>& parts, int64_t t, int h, int split, i
   float bl = direct && a.sinks ? expf(sink - bm) : 0.0f;  // the sink only adds to the denominator
   for (int w = 0; w < W; ++w) bl += parts.l[w] * parts.w[w];
   const int64_t out = th * a.n_splits + split;
+  if (direct && a.stage_planes) {  // one warp takes every dim, as in combine_splits
+    if (threadIdx.x >= 32) return;
+    float v[D];
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      const int d = threadIdx.x + 32 * i;
+      float acc = 0.0f;
+      if (d < hd)
+        for (int w = 0; w < W; ++w) acc += parts.o[w][d] * parts.w[w];
+      v[i] = acc / bl;
+    }
+    write_head(a, th, v, attn_out);
+    return;
+  }
   for (int d = threadIdx.x; d < hd; d += W * 32) {
     float acc = 0.0f;
     for (int w = 0; w < W; ++w) acc += parts.o[w][d] * parts.w[w];
@@ -134,7 +189,7 @@ __device__ void finish_split(WarpParts<W>& parts, int64_t t, int h, int split, i
   __syncthreads();
   if (!last) return;
   __threadfence();
-  combine_splits(th, ml, po, a, n_live, attn_out);
+  combine_splits<D>(th, ml, po, a, n_live, attn_out);
 }
 
 // Partials: ml [n_tokens, n_heads, n_splits, 2] (max, sum); po [n_tokens, n_heads, n_splits, head_dim].
@@ -367,7 +422,7 @@ __global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const fl
 #pragma unroll
   for (int e = 0; e < kDims; ++e) parts.o[warp][lane * kDims + e] = o[e];
   __syncthreads();
-  finish_split(parts, t, h, split, n_live, sink, a, ml, po, attn_out);
+  finish_split<kKeyWarps, kDims>(parts, t, h, split, n_live, sink, a, ml, po, attn_out);
 }
 
 // NIBBLE_ATTN_KEYS=0 keeps decode on the key-by-key kernel (a measurement knob).
@@ -418,6 +473,10 @@ void launch_kv_write(KvKind kind, void* kc, void* vc, const float* k, const floa
   CUDA_CHECK(cudaGetLastError());
 }
 
+bool attention_can_stage(int64_t n_tokens, const AttnShape& a) {
+  return n_tokens == 1 && a.head_dim % 32 == 0 && static_cast<int64_t>(a.n_heads) * a.head_dim <= 4 * kChunk;
+}
+
 int64_t attention_workspace_floats(int64_t n_tokens, const AttnShape& a) {
   return n_tokens * a.n_heads * a.n_splits * (2 + a.head_dim);
 }
@@ -428,6 +487,8 @@ void launch_attention(KvKind kind, const float* q, const void* kc, const void* v
            "attention: head_dim must be <= 256 and heads a multiple of kv heads");
   NB_CHECK(a.n_splits >= 1 && a.n_splits <= kMaxSplits && b.n_tokens <= 65535, "attention: grid");
   NB_CHECK(a.skip_min_new <= 0 || a.seq_begin, "attention: skip_min_new needs seq_begin");
+  NB_CHECK(!a.stage_planes || (attention_can_stage(b.n_tokens, a) && a.stage_shifts),
+           "attention: staged output is for one token and head_dim % 32 == 0");
   switch (kind) {
     case KvKind::kF32:
       return attention_for<KvKind::kF32>(q, kc, vc, b, a, ws, out, s);

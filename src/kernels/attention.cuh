@@ -38,7 +38,18 @@ struct AttnShape {
   // Non-null: n_tokens * n_heads zeroed counters (left zeroed); the last split of each (token, head) to
   // finish merges the splits, so the attention is one launch. Null: a second kernel merges them.
   unsigned* arrivals = nullptr;
+  // One token, head_dim % 32 == 0 (attention_can_stage): the block that finishes head h also writes its
+  // values as the one-token FP4 linear stages its input (stage.cuh: one fp16, hi planes of the row of
+  // k = n_heads * head_dim) at a power-of-two prescale of its own, 2^s with s from the head's max |value|,
+  // and s into stage_shifts[g] for each 32-element group g of the head -- so that the O projection copies
+  // its input (StagedRow, gemv.cuh) instead of taking maxima and converting on the step's critical path.
+  // stage_planes [hi_words(k) * 8] fp16 (padding past k zeroed by the owner), stage_shifts [n_chunks(k) * 32]
+  // (padding groups 127: they never set the row's minimum).
+  uint16_t* stage_planes = nullptr;
+  int8_t* stage_shifts = nullptr;
 };
+// Whether launch_attention can stage its output for the O projection (AttnShape::stage_planes).
+bool attention_can_stage(int64_t n_tokens, const AttnShape& a);
 // Scratch floats the launch needs for `n_tokens` tokens.
 int64_t attention_workspace_floats(int64_t n_tokens, const AttnShape& a);
 // out [n_tokens, n_heads, head_dim] fp32; q the same shape.

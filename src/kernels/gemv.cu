@@ -470,13 +470,13 @@ void moe_fc2_for(const ExpertTable& t, const int32_t* ids, const float* weights,
 }  // namespace
 
 void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, bool fp16_acts,
-                   cudaStream_t s) {
+                   cudaStream_t s, const StagedRow* staged) {
   NB_CHECK(m >= 1 && w.n > 0 && w.k > 0 && w.n_parts >= 1 && w.n_parts <= kMaxParts, "linear: bad shapes");
   // FP4 at decode batch sizes: the tensor-core kernels (no per-element fp16 -> fp32 conversion, which caps
   // the kernels below at ~40 % of the read bandwidth): one token streams whole rows (gemv_fp4_stream.cu),
   // 2..8 tokens take gemv_fp4.cu. They decline unaligned rows and m > 8, which keep the CUDA-core path
   // (per-element fallback, token chunks of 4).
-  if (launch_linear_fp4_stream(w, x, m, bias, y, fp16_acts, s)) return;  // one token: contiguous row streaming
+  if (launch_linear_fp4_stream(w, x, m, bias, y, fp16_acts, s, staged)) return;  // one token: contiguous row streaming
   if (launch_linear_fp4_mma(w, x, m, bias, y, s)) return;
   switch (w.kind) {
     case WKind::kBF16:

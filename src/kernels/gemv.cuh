@@ -17,8 +17,11 @@ namespace nb::cuda {
 // y[t, :] = x[t, :] @ w^T (+ bias) for t < m. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
 // fp16_acts: the one-token FP4 kernels round activations to one fp16 instead of hi + lo
 // (CudaBackendOptions::gemm_fp16_activations; the other kernels keep their precision).
+// staged (optional, one token, fp16_acts): x as the one-token attention kernel also wrote it (StagedRow); the
+// one-token FP4 kernel then copies it instead of staging x (other paths read x).
+struct StagedRow;
 void launch_linear(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, bool fp16_acts,
-                   cudaStream_t s);
+                   cudaStream_t s, const StagedRow* staged = nullptr);
 
 // The tensor-core FP4 paths (gemv_fp4.cu): MXFP4/NVFP4, 16-byte aligned rows, linear at 1 <= m <= 8 and
 // the MoE projections. Each returns false (nothing launched) for anything else, and the callers below fall
@@ -30,7 +33,16 @@ bool launch_linear_fp4_mma(const DevWeight& w, const float* x, int64_t m, const 
 // of a single token; k % 32 == 0, k <= 4096, 16-byte aligned rows. Tried first; false (nothing launched)
 // otherwise. NIBBLE_FP4_STREAM=0 turns them off (benchmark knob; the tests' second run).
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
-                              bool fp16_acts, cudaStream_t s);
+                              bool fp16_acts, cudaStream_t s, const StagedRow* staged = nullptr);
+// One row of k activations staged by its producer (the one-token attention kernel: AttnShape::stage_planes)
+// in the one-token FP4 kernels' layout (stage.cuh: one fp16, hi planes), each group of 32 elements g at its
+// own power-of-two prescale 2^shifts[g] (n_chunks(k) * 32 groups; padding groups 127). The linear kernel
+// copies the planes after its wait, brings every group to the row's smallest prescale (exact: a power of
+// two; only values below fp16's normal range round again) and unscales its outputs by that.
+struct StagedRow {
+  const void* planes = nullptr;
+  const int8_t* shifts = nullptr;
+};
 // The SM count those kernels size their grids for: the device's, or fewer under NIBBLE_STREAM_SMS=n (tests).
 int stream_grid_sms();
 

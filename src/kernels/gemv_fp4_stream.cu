@@ -551,11 +551,48 @@ struct LinearOp {
   __device__ void done() const {}
 };
 
+// x staged by its producer (kStaged, StagedRow: the attention kernel's output for the O projection) into
+// shared memory: each thread's words of the planes, and to each warp its own copy of the groups' shifts, by
+// cp.async -- no registers: the first unit's weight loads, in flight since before the wait, share the load
+// scoreboard with any register load, and loading the planes into registers instead made the whole decode
+// step 6 % slower (H200, twenty-sixth session) -- then each thread brings its own words to the row's one
+// prescale 2^smin, smin = min_g s_g (the prescale the row's max gives, as stage_scales takes it): times
+// 2^(smin - s_g), exact (a power of two; only values below fp16's normal range round again). One L2 round
+// trip and one barrier after the wait, as the MoE kernels' staged inputs, against stage_issue ..
+// stage_store's round trip, atomics and three barriers. Returns 2^-smin.
+__device__ float stage_copy_row(const StagedRow& st, int k, uint4* planes) {
+  __shared__ __align__(16) int8_t shifts[kMaxWarps][4 * 32];  // (k <= 4096: n_chunks(k) * 32 groups)
+  const int lane = threadIdx.x & 31, groups = n_chunks(k) * 32, words = hi_words(k);
+  int8_t* mine = shifts[threadIdx.x >> 5];
+  const uint4* src = static_cast<const uint4*>(st.planes);
+  for (int w = threadIdx.x; w < words; w += blockDim.x) cp_async16(planes + w, src + w, true);
+  if (lane < groups / 16) cp_async16(mine + 16 * lane, st.shifts + 16 * lane, true);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();  // the warp's shifts, copied by its first lanes, visible to all of its lanes
+  int smin = 127;
+  for (int g = lane; g < groups; g += 32) smin = min(smin, static_cast<int>(mine[g]));
+  smin = __reduce_min_sync(0xffffffffu, smin);
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {  // (the words this thread copied)
+    uint4 v = planes[w];
+    const int g = w / 128 * 32 + w % 32;  // (chunk c, plane j, lane l): elements c 1024 + 32 l + 8 j ..
+    const int sh = max(smin - static_cast<int>(mine[g]), -30);  // (<= -25: fp16's zero)
+    const __half f = __float2half_rn(pow2f(sh));
+    const uint32_t f2 = pack_half2(f, f);
+    v.x = hmul2(v.x, f2), v.y = hmul2(v.y, f2), v.z = hmul2(v.z, f2), v.w = hmul2(v.w, f2);
+    planes[w] = v;
+  }
+  __syncthreads();
+  return pow2f(-smin);
+}
+
 // kOneRound: as stream_qkv_kernel's (Qwen3-30B-A3B's QKV: 2560 row pairs, as gpt-oss's head).
-template <WKind K, int NC, bool kSplit, bool kOneRound>
+// kStaged: x staged by its producer (stage_copy_row).
+template <WKind K, int NC, bool kSplit, bool kOneRound, bool kStaged>
 __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlockThreads, 1)
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
-                         const float* __restrict__ bias, float* __restrict__ y) {
+                         const float* __restrict__ bias, float* __restrict__ y, const StagedRow staged) {
+  static_assert(!(kStaged && (kSplit || kOneRound)), "staged x: one fp16 per activation, rounds of units");
   extern __shared__ uint4 planes[];
   const bool stamped = stamps_linear(w);
   if (stamped) stamp(kStampLinear, kAtEntry);
@@ -573,19 +610,25 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
   // The first unit's weights stream in while the previous kernel finishes and x is staged.
   Item cur[NC];
   if (first.p < op.n_pairs) load_unit<K, NC>(op.rows(first), w.k, cur);
-  Held h;
-  stage_index(1, w.k, h);
-  pdl_wait();
-  if (stamped) stamp(kStampLinear, kAtWaited);
-  stage_issue(x, w.k, w.k, h);
-  stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
-  if (stamped) stamp(kStampLinear, kAtMaxed);
-  __syncthreads();
-  stage_scales(1, ss);
-  __syncthreads();
-  stage_store(x, w.k, 1, w.k, h, ss, kSplit, planes);
-  __syncthreads();
-  op.unscale = ss.unscale[0];
+  if constexpr (kStaged) {
+    pdl_wait();
+    if (stamped) stamp(kStampLinear, kAtWaited);
+    op.unscale = stage_copy_row(staged, w.k, planes);
+  } else {
+    Held h;
+    stage_index(1, w.k, h);
+    pdl_wait();
+    if (stamped) stamp(kStampLinear, kAtWaited);
+    stage_issue(x, w.k, w.k, h);
+    stage_max(x, w.k, 1, w.k, h, ss);  // then barrier, prescales, barrier, planes, barrier
+    if (stamped) stamp(kStampLinear, kAtMaxed);
+    __syncthreads();
+    stage_scales(1, ss);
+    __syncthreads();
+    stage_store(x, w.k, 1, w.k, h, ss, kSplit, planes);
+    __syncthreads();
+    op.unscale = ss.unscale[0];
+  }
   if (stamped) stamp(kStampLinear, kAtStaged);
   if (stamped) stamp_after(kStampLinear, kAtLoaded, cur[0].a.x);
   if (first.p < op.n_pairs) walk<K, NC, kSplit, LinearOp<K, kFlat>, kOneRound>(op, w.k, planes, first, cur);
@@ -1263,21 +1306,29 @@ bool one_round(int pairs, int max_warps, int& warps) {
 }
 
 template <WKind K>
-void linear(const DevWeight& w, const float* x, const float* bias, float* y, bool split, cudaStream_t s) {
+void linear(const DevWeight& w, const float* x, const float* bias, float* y, bool split, cudaStream_t s,
+            const StagedRow* staged) {
   const size_t smem = stage_bytes(1, w.k);
   const int pairs = (w.n + 1) / 2;
   int one_warps = 0;
   const bool one = one_round(pairs, kOneRoundWarpsLinear, one_warps);
+  // (The one-round grids stage x themselves: no gpt-oss O projection takes them.)
+  const StagedRow st = staged && !split && !one ? *staged : StagedRow{};
   with_chunks(w.k, split, [&]<int NC, bool kSplit>() {
     if (one) {
-      auto kernel = stream_linear_kernel<K, NC, kSplit, true>;
+      auto kernel = stream_linear_kernel<K, NC, kSplit, true, false>;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      launch_pdl(kernel, ceil_div(pairs, one_warps), one_warps * 32, smem, s, w, x, bias, y);
+      launch_pdl(kernel, ceil_div(pairs, one_warps), one_warps * 32, smem, s, w, x, bias, y, st);
       return;
     }
-    auto kernel = stream_linear_kernel<K, NC, kSplit, false>;
-    const int warps = device().warps;
-    launch_pdl(kernel, grid_for(kernel, warps, smem, pairs), warps * 32, smem, s, w, x, bias, y);
+    auto go = [&](auto kernel) {
+      const int warps = device().warps;
+      launch_pdl(kernel, grid_for(kernel, warps, smem, pairs), warps * 32, smem, s, w, x, bias, y, st);
+    };
+    if constexpr (!kSplit) {
+      if (st.planes) return go(stream_linear_kernel<K, NC, false, false, true>);
+    }
+    go(stream_linear_kernel<K, NC, kSplit, false, false>);
   });
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1403,13 +1454,13 @@ bool table_ok(const ExpertTable& t, int top_k, int k) {
 int stream_grid_sms() { return device().sms; }
 
 bool launch_linear_fp4_stream(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y,
-                              bool fp16_acts, cudaStream_t s) {
+                              bool fp16_acts, cudaStream_t s, const StagedRow* staged) {
   if (!enabled() || !fp4(w.kind) || m != 1 || !aligned(w)) return false;
   if (w.n_parts == 1 && static_cast<int64_t>(w.n) * w.k / 2 >= (int64_t{1} << 32)) return false;  // (LinearOp)
   if (w.kind == WKind::kMXFP4)
-    linear<WKind::kMXFP4>(w, x, bias, y, !fp16_acts, s);
+    linear<WKind::kMXFP4>(w, x, bias, y, !fp16_acts, s, staged);
   else
-    linear<WKind::kNVFP4>(w, x, bias, y, !fp16_acts, s);
+    linear<WKind::kNVFP4>(w, x, bias, y, !fp16_acts, s, staged);
   return true;
 }
 

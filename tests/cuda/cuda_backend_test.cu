@@ -463,6 +463,67 @@ TEST_F(CudaOps, LinearFp4OneTokenStream) {
   }
 }
 
+// One token's attention output staged by the attention kernel for the FP4 O projection
+// (CudaBackendOptions::stage_o_input): the projection of the staged planes equals the projection of the same
+// output copied elsewhere, which the linear kernel stages itself -- the same fp16 products (each head's
+// prescale brought to the row's is a power of two), so to the fp32 summation bound. The output's fp32
+// values are poisoned before the staged projection: it must read only the planes. Heads of V scaled apart
+// (2^3 per KV head: different prescales); gpt-oss's 64 x 64 and 8 x 64 heads (k = 512: a padded chunk, after
+// 4096 in the same backend) and 32 x 128 (Qwen3); contexts of one split and of several merged.
+TEST_F(CudaOps, AttentionStagesTheOneTokenProjection) {
+  CudaBackendOptions o;
+  o.poison = true;
+  o.kv_cache_dtype = DType::kBF16;
+  o.stage_o_input = true;
+  auto g = CudaBackend::create(o);
+  if (!g.ok()) GTEST_SKIP() << "no usable GPU";
+  CudaBackend& gpu = **g;
+  auto gt = [&](const std::vector<float>& v, std::vector<int64_t> sh) {
+    return gpu.upload(TensorView{v.data(), DType::kF32, std::move(sh)});
+  };
+  struct Case {
+    int nh, nkv, hd;
+  };
+  for (const Case c : {Case{64, 8, 64}, Case{8, 2, 64}, Case{32, 4, 128}}) {
+    const int k = c.nh * c.hd, n_blocks = 48;
+    std::vector<int32_t> table(n_blocks);
+    for (int i = 0; i < n_blocks; ++i) table[i] = (i * 7) % n_blocks;
+    for (WeightFormat f : {WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
+      const Weight w = make_weight(hb_, f, 200, k, f == WeightFormat::kNVFP4 ? 2 : 1);
+      {
+        std::vector<TensorView> views;
+        for (const WeightPart& p : w.parts) views.push_back(p.data), views.push_back(p.scales);
+        ASSERT_TRUE(gpu.upload_views(views).ok());
+      }
+      for (const int past : {90, 600}) {
+        auto cache = gpu.new_kv_cache(1, n_blocks, c.nkv, c.hd);
+        BatchInfo fill;
+        for (int p = 0; p <= past; ++p) fill.tokens.push_back(0), fill.positions.push_back(p), fill.seq_of.push_back(0);
+        fill.seqs = {SeqInfo{0, past + 1, 0, table}};
+        std::vector<float> kv = randn((past + 1) * c.nkv * c.hd), vv = randn((past + 1) * c.nkv * c.hd);
+        for (size_t i = 0; i < vv.size(); ++i) vv[i] *= std::ldexp(1.0f, 3 * static_cast<int>(i / c.hd % c.nkv));
+        gpu.kv_write(*cache, 0, gt(kv, {past + 1, c.nkv, c.hd}), gt(vv, {past + 1, c.nkv, c.hd}), fill);
+        BatchInfo one;
+        one.tokens = {0}, one.positions = {past}, one.seq_of = {0};
+        one.seqs = {SeqInfo{0, 1, past, table}};
+        const std::vector<float> s = randn(c.nh);
+        Tensor sinks = gt(s, {c.nh});
+        const AttentionParams ap{0.125f, 0, &sinks};
+        Tensor a = gpu.attention(gt(randn(c.nh * c.hd), {1, c.nh, c.hd}), *cache, 0, one, ap).view({1, k});
+        const std::vector<float> x = gpu.to_host(a);
+        cudaDeviceSynchronize();  // (the backend's own stream)
+        ASSERT_EQ(cudaMemset(a.data<float>(), 0xff, a.numel() * sizeof(float)), cudaSuccess);
+        cudaDeviceSynchronize();
+        const std::vector<float> got = gpu.to_host(gpu.linear(a, w, nullptr));
+        const std::vector<float> want = gpu.to_host(gpu.linear(gt(x, {1, k}), w, nullptr));
+        expect_close(want, got, linear_tol(x, w, 1),
+                     std::string("staged O ") + weight_format_name(f) + " heads " + std::to_string(c.nh) + " x " +
+                         std::to_string(c.hd) + " context " + std::to_string(past + 1));
+      }
+    }
+  }
+}
+
 // Variants 0-2: small shapes (k not filling whole 4-block groups). 3-4: the FP4 tensor-core MoE kernels
 // at shapes with several groups per row, split k and several tokens (NVFP4 with two parts per expert).
 TEST_F(CudaOps, MoeRouteAndExperts) {

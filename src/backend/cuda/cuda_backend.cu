@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 
@@ -25,6 +26,7 @@
 #include "kernels/qkv_rope.cuh"
 #include "kernels/quant.cuh"
 #include "kernels/sample.cuh"
+#include "kernels/stage.cuh"
 
 namespace nb {
 
@@ -192,6 +194,21 @@ struct CudaBackend::Impl {
     staged_h_of.reset();
     return same ? staged_h : nullptr;
   }
+  // The last one-token attention output as the FP4 O projection stages its input (AttnShape::stage_planes):
+  // planes then shifts (cuda::StagedRow), for rows of staged_o_k; and which output that was (attention sets
+  // it, the next linear takes it: O when its x is that output). One buffer for every layer, as staged_h.
+  void* staged_o = nullptr;
+  int staged_o_k = 0;
+  std::weak_ptr<uint8_t[]> staged_o_of;
+  const float* staged_o_x = nullptr;
+  // The staged output if x is the output it holds (once: the next linear gets null).
+  std::optional<cuda::StagedRow> take_staged_o(const Tensor& x) {
+    const bool same = x.storage && staged_o_of.lock() == x.storage && x.data<float>() == staged_o_x;
+    staged_o_of.reset();
+    if (!same) return std::nullopt;
+    const size_t planes = size_t{16} * cuda::hi_words(staged_o_k);
+    return cuda::StagedRow{staged_o, static_cast<const int8_t*>(staged_o) + planes};
+  }
   // L2 prefetch hints handed to the next one-token MoE launch (moe_experts_then_prefetch): FC1 with deferred
   // routes (before its wait: NIBBLE_PREFETCH_IN_FC1), else FC2; the kernel issues them and clears n; any left
   // are launched as their own kernel after the experts.
@@ -255,6 +272,7 @@ struct CudaBackend::Impl {
     for (void* p : owned) cudaFree(p);
     if (arrivals) cudaFree(arrivals);
     if (staged_h) cudaFree(staged_h);
+    if (staged_o) cudaFree(staged_o);
     experts.clear();
     rope_tables.clear();
     d_batch = Tensor();
@@ -646,8 +664,9 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     impl_->dense_gemm->run(dw, x.data<float>(), m, b, out.data<float>(), scratch.data<uint8_t>(), impl_->stream);
     return out;
   }
+  const std::optional<cuda::StagedRow> staged = impl_->take_staged_o(x);
   cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->options.gemm_fp16_activations,
-                      impl_->stream);
+                      impl_->stream, staged ? &*staged : nullptr);
   return out;
 }
 
@@ -752,9 +771,31 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
   return q;
 }
 
+// One token: the attention kernel also stages out for the FP4 O projection (CudaBackendOptions::
+// stage_o_input), in the one buffer, (re)made and cleared when the row length changes (the padding past k
+// must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
+static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
+  I.staged_o_of.reset();
+  if (!I.options.stage_o_input || !I.options.gemm_fp16_activations || !cuda::attention_can_stage(n_tokens, a)) return;
+  const int k = a.n_heads * a.head_dim;
+  const size_t planes = size_t{16} * cuda::hi_words(k), shifts = static_cast<size_t>(cuda::n_chunks(k)) * 32;
+  if (I.staged_o_k != k) {
+    if (I.staged_o) CUDA_CHECK(cudaFree(I.staged_o));
+    CUDA_CHECK(cudaMalloc(&I.staged_o, planes + shifts));
+    CUDA_CHECK(cudaMemsetAsync(I.staged_o, 0, planes, I.stream));
+    CUDA_CHECK(cudaMemsetAsync(static_cast<uint8_t*>(I.staged_o) + planes, 0x7f, shifts, I.stream));
+    I.staged_o_k = k;
+  }
+  a.stage_planes = static_cast<uint16_t*>(I.staged_o);
+  a.stage_shifts = static_cast<int8_t*>(I.staged_o) + planes;
+  I.staged_o_of = out.storage;
+  I.staged_o_x = out.data<float>();
+}
+
 Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, const BatchInfo& b,
                               const AttentionParams& p) {
   check_f32(q, "attention");
+  impl_->staged_o_of.reset();  // (set again below where this launch stages its output)
   const Tensor& kc = cache.k[layer];
   cuda::AttnShape a;
   a.n_heads = static_cast<int>(q.dim(1));
@@ -791,6 +832,7 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   const int64_t want = (8 * impl_->info.sm_count + a.n_heads * n_split_tokens - 1) / (a.n_heads * n_split_tokens);
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
   if (impl_->options.decode_fusion && b.n_tokens() * a.n_heads <= kArrivals) a.arrivals = impl_->arrivals;
+  stage_attention_output(*impl_, a, b.n_tokens(), out);
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
                          db, a, ws.data<float>(), out.data<float>(), impl_->stream);

@@ -58,6 +58,10 @@ struct CudaBackendOptions {
   // norm_qkv_rope_kv_write at one token (FP4 QKV, no q/k norms, one fp16 per activation) as one kernel
   // (NIBBLE_FUSED_HEAD=0: the three ops, a benchmark baseline). Also off without decode_fusion.
   bool fused_head = true;
+  // Attention at one token (head_dim % 32 == 0, n_heads * head_dim <= 4096) also writes its output as the
+  // one-token FP4 O projection stages its input (cuda::AttnShape::stage_planes), which then copies it
+  // (NIBBLE_O_STAGED=0: the O kernel stages the fp32 output itself, a benchmark baseline).
+  bool stage_o_input = true;
 };
 
 struct CudaLoadStats {
