@@ -201,6 +201,10 @@ struct CudaBackend::Impl {
   int staged_o_k = 0;
   std::weak_ptr<uint8_t[]> staged_o_of;
   const float* staged_o_x = nullptr;
+  // Set once a staged output went to a projection the FP4 kernel does not take (a BF16 or FP8 O:
+  // --dense-format keep|fp8): later attention launches stop staging (the write costs the attention kernel
+  // ~0.25 us per layer). Decided at the first decode step, which runs eagerly before its graph's capture.
+  bool staged_o_unused = false;
   // The staged output if x is the output it holds (once: the next linear gets null).
   std::optional<cuda::StagedRow> take_staged_o(const Tensor& x) {
     const bool same = x.storage && staged_o_of.lock() == x.storage && x.data<float>() == staged_o_x;
@@ -665,6 +669,7 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     return out;
   }
   const std::optional<cuda::StagedRow> staged = impl_->take_staged_o(x);
+  if (staged && dw.kind != cuda::WKind::kMXFP4 && dw.kind != cuda::WKind::kNVFP4) impl_->staged_o_unused = true;
   cuda::launch_linear(dw, x.data<float>(), m, b, out.data<float>(), impl_->options.gemm_fp16_activations,
                       impl_->stream, staged ? &*staged : nullptr);
   return out;
@@ -776,7 +781,9 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
 // must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
 static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
   I.staged_o_of.reset();
-  if (!I.options.stage_o_input || !I.options.gemm_fp16_activations || !cuda::attention_can_stage(n_tokens, a)) return;
+  if (!I.options.stage_o_input || I.staged_o_unused || !I.options.gemm_fp16_activations ||
+      !cuda::attention_can_stage(n_tokens, a))
+    return;
   const int k = a.n_heads * a.head_dim;
   const size_t planes = size_t{16} * cuda::hi_words(k), shifts = static_cast<size_t>(cuda::n_chunks(k)) * 32;
   if (I.staged_o_k != k) {
