@@ -56,9 +56,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
   // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
-  // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes)
-  // NIBBLE_FUSED_HEAD (::fused_head) and NIBBLE_O_STAGED (::stage_o_input). A test switch: NIBBLE_STREAM_SMS, a positive SM count (the
-  // one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
+  // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes),
+  // NIBBLE_FUSED_HEAD (::fused_head) and NIBBLE_O_STAGED (::stage_o_input). A test switch: NIBBLE_STREAM_SMS,
+  // a positive SM count (the one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
   // launchers: NIBBLE_WSP_STAGES (2: the portable warp-specialized tile at GB10's depth) and
   // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));

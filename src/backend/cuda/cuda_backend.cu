@@ -779,8 +779,8 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
 // One token: the attention kernel also stages out for the FP4 O projection (CudaBackendOptions::
 // stage_o_input), in the one buffer, (re)made and cleared when the row length changes (the padding past k
 // must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
+// (attention() has reset staged_o_of: a launch that does not stage leaves no record.)
 static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
-  I.staged_o_of.reset();
   if (!I.options.stage_o_input || I.staged_o_unused || !I.options.gemm_fp16_activations ||
       !cuda::attention_can_stage(n_tokens, a))
     return;
