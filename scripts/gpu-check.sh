@@ -78,6 +78,8 @@ fi
 #   tgenv   tg128 once per setting in NIBBLE_TG_ENVS (e.g. "- NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=0,NIBBLE_FUSED_HEAD=0":
 #           the defaults, one switch, two at once), alternating, NIBBLE_TG_ROUNDS rounds (default 2), dense formats
 #           NIBBLE_TG_FORMATS (default mxfp4): a switch's A/B in one build
+#   gemmenv nibble_gemm_bench ${NIBBLE_GEMM_ARGS:---quick} once per setting in NIBBLE_GEMM_ENVS, alternating, NIBBLE_TG_ROUNDS
+#           rounds: a prefill GEMM switch's A/B in one build (not in the default list)
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
 #           (tools/bench/decode_timeline.py); NIBBLE_PROFILE_ENVS: one run per setting; not in the default list
@@ -148,6 +150,15 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
             bench "e2e_env_${tag}_$r" 150 env ${v//,/ } "$B"/src/nibble_e2e_bench --pp '' \
               --dense-formats "${NIBBLE_TG_FORMATS:-mxfp4}" configs/gpt-oss-20b configs/gpt-oss-120b >/dev/null
             grep -E "^\| configs" "$OUT/e2e_env_${tag}_$r.md"
+          done
+        done ;;
+      gemmenv)  # nibble_gemm_bench ${NIBBLE_GEMM_ARGS:---quick} per NIBBLE_GEMM_ENVS setting, alternating (as tgenv)
+        for r in $(seq "${NIBBLE_TG_ROUNDS:-2}"); do
+          for e in ${NIBBLE_GEMM_ENVS:--}; do
+            v=${e#-}; tag=${v//=/_}; tag=${tag//,/_}
+            echo "== round $r $v"
+            bench "gemm_env_${tag}_$r" 200 env ${v//,/ } "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:---quick} >/dev/null
+            grep -E "^\| (qkv|o|expert|gpt-oss)" "$OUT/gemm_env_${tag}_$r.md"
           done
         done ;;
     esac

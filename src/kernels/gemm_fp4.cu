@@ -12,6 +12,7 @@
 #include "kernels/gemm_fp4_wgmma.cuh"
 #include "kernels/gemm_fp4_ws.cuh"
 #include "kernels/gemm_fp4_wsp.cuh"
+#include "kernels/gemm_fp4_wsr.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
     mx = fmaxf(mx, octet_absmax(a, b));
   }
   const float pre = row_prescale(mx, lane, unscale + r);
-  if (tiled_mp > 0) {
+  if (tiled_mp > 0 && !wgmma_order) {
     // One 16-byte chunk (8 elements, order 0 4 1 5 2 6 3 7) per lane and step, at its core-matrix place;
     // the k pad up to whole k-tiles as zeros.
     uint4* dst = reinterpret_cast<uint4*>(hi);
@@ -70,7 +71,8 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
   }
   if (wgmma_order) {
     // Lane l writes stored positions 2l, 2l + 1 of each k-tile (one 32-bit store), which hold physical
-    // elements j and j + 4; the pad past k as zeros.
+    // elements j and j + 4; the pad past k as zeros. Tiled (GemmActivations::rs): at word l % 4 of the
+    // k-tile's core-matrix chunk l / 4.
     const int kp = wg::padded_k(k), j = wg::stored_of(2 * lane);
     uint32_t* dh = reinterpret_cast<uint32_t*>(hi + static_cast<int64_t>(r) * kp);
     uint32_t* dl = reinterpret_cast<uint32_t*>(lo + static_cast<int64_t>(r) * kp);
@@ -78,6 +80,10 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
       const float v0 = k0 + j < k ? __ldg(row + k0 + j) * pre : 0.0f;
       const float v1 = k0 + j + 4 < k ? __ldg(row + k0 + j + 4) * pre : 0.0f;
       const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+      if (tiled_mp > 0) {
+        reinterpret_cast<uint32_t*>(hi)[ws::chunk_of(r, k0 / wg::kBK, lane >> 2, tiled_mp) * 4 + (lane & 3)] = pack_half2(h0, h1);
+        continue;
+      }
       dh[(k0 >> 1) + lane] = pack_half2(h0, h1);
       if (split) dl[(k0 >> 1) + lane] = pack_half2(__float2half_rn(v0 - __half2float(h0)), __float2half_rn(v1 - __half2float(h1)));
     }
@@ -149,8 +155,8 @@ template <int NT>
 __global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(const float* __restrict__ x,
                                                                             const int32_t* __restrict__ gather,
                                                                             int gather_div, int rows, int k, bool split,
-                                                                            __half* __restrict__ hi, __half* __restrict__ lo,
-                                                                            float* __restrict__ unscale) {
+                                                                            int64_t tiled_mp, __half* __restrict__ hi,
+                                                                            __half* __restrict__ lo, float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= rows) return;
   const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
@@ -173,6 +179,10 @@ __global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(cons
     if (k0 >= kp) break;
     const float v0 = v[t][0] * pre, v1 = v[t][1] * pre;
     const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+    if (tiled_mp > 0) {  // GemmActivations::rs: word l % 4 of the k-tile's core-matrix chunk l / 4
+      reinterpret_cast<uint32_t*>(hi)[ws::chunk_of(r, t, lane >> 2, tiled_mp) * 4 + (lane & 3)] = pack_half2(h0, h1);
+      continue;
+    }
     dh[(k0 >> 1) + lane] = pack_half2(h0, h1);
     if (split) dl[(k0 >> 1) + lane] = pack_half2(__float2half_rn(v0 - __half2float(h0)), __float2half_rn(v1 - __half2float(h1)));
   }
@@ -234,6 +244,78 @@ __global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __gr
     const int tile = sc.tile(it), m0 = sc.m0(tile);
     // (FAKE_EPI: stores only for an accumulator value no run produces, so the wgmmas are not optimized away.)
     if (!NIBBLE_WS_FAKE_EPI || acc[0] == 12345.0f) ws::epilogue<K>(acc, w, p.tile_unscale(it), bias, y, sc.n0(tile), m0, min(ws::kBM, m - m0));
+  }
+#else
+  __trap();  // only the sm_90a build has this tile (gemm_tiled_tile says when it runs)
+#endif
+}
+
+// The warp-specialized sm_90a tile with register A fragments (gemm_fp4_wsr.cuh), persistent like the one above:
+// warpgroup 2 copies codes, scales and activations into the stages, warpgroups 0 and 1 decode their own A
+// fragments, run the wgmmas and the epilogue. a_tiles: tiled fp16 activations of mp rows in the wgmma tile's
+// k order (GemmActivations::rs). kTwoSets: a fragment set per k-tile parity (see the header).
+template <WKind K, bool kTwoSets>
+__global__ void __launch_bounds__(wsr::kThreads, 1) gemm_fp4_wsr_kernel(const __grid_constant__ DevWeight w,
+                                                                        const uint8_t* __restrict__ a_tiles,
+                                                                        const float* __restrict__ unscale, int64_t mp,
+                                                                        int m, const float* __restrict__ bias,
+                                                                        float* __restrict__ y) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int S = wsr::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[2][ws::kBM];  // the token scales of the current and the previous tile
+  const int tid = threadIdx.x;
+  const wsr::Pipe p{smem, bars, bars + S};
+  const int col_tiles = (w.n + ws::kBN - 1) / ws::kBN;
+  const ws::Sched sc{col_tiles, col_tiles * ((m + ws::kBM - 1) / ws::kBM), (w.k + ws::kBK - 1) / ws::kBK};
+  if (tid < S) {
+    ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
+    ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
+  }
+  ws::mbar_fence_init();
+  __syncthreads();
+  // The producer needs few registers, the multipliers' accumulators and fragments many.
+  if (tid >= 256) {
+    wsr::setmaxnreg_dec<40>();
+    return wsr::producer<K, S>(p, sc, w, a_tiles, mp);
+  }
+  wsr::setmaxnreg_inc<232>();
+  const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int row_a = wgi * 64 + warp * 16 + (lane >> 2), row_b = row_a + 8;  // tile rows of the lane's fragments
+  float acc[128];
+  uint32_t f0[4][4], f1[4][4];
+  for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
+    const int tile = sc.tile(it), n0 = sc.n0(tile), m0 = sc.m0(tile);
+    const float u = m0 + tid < m ? unscale[m0 + tid] : 0.0f;  // (stored for the epilogue after the k loop)
+    // The low address bits of each row's scale bytes (fetch_raw copies the aligned words around them).
+    auto scale_off = [&](int r) {
+      const gemm::BRow b = gemm::brow_of(w, n0 + r < w.n ? n0 + r : -1, w.k, kBlk);
+      return b.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(b.scales) & 3) : 0;
+    };
+    const int off_a = scale_off(row_a), off_b = scale_off(row_b);
+    if constexpr (kTwoSets) {
+      for (int kt = 0; kt < sc.n_kt; kt += 2) {
+        wsr::k_step<K, S>(p, g, kt, w.k, row_a, row_b, off_a, off_b, false, f0, acc);
+        ws::wgmma_wait1();  // k-tile kt - 1's wgmmas are done: f1 and its stage are free
+        if (kt > 0 && lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
+        ++g;
+        // (A break, not a condition around the odd step: on a path that skipped it and looped back, f0 would be
+        // rewritten while its wgmmas ran, and ptxas serializes every wgmma for that path, C7513.)
+        if (kt + 1 >= sc.n_kt) break;
+        wsr::k_step<K, S>(p, g, kt + 1, w.k, row_a, row_b, off_a, off_b, false, f1, acc);
+        ws::wgmma_wait1();
+        if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
+        ++g;
+      }
+    } else {
+      for (int kt = 0; kt < sc.n_kt; ++kt, ++g) wsr::k_step<K, S>(p, g, kt, w.k, row_a, row_b, off_a, off_b, true, f0, acc);
+    }
+    wg::wgmma_wait0();
+    if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the tile's last stage
+    us[it & 1][tid] = u;
+    wsr::multipliers_sync();
+    if (!NIBBLE_WS_FAKE_EPI || acc[0] == 12345.0f) ws::epilogue<K>(acc, w, us[it & 1], bias, y, n0, m0, min(ws::kBM, m - m0));
   }
 #else
   __trap();  // only the sm_90a build has this tile (gemm_tiled_tile says when it runs)
@@ -334,6 +416,18 @@ void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const 
   }
 }
 
+template <WKind K, bool kTwoSets>
+void gemm_wsr_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  auto kernel = gemm_fp4_wsr_kernel<K, kTwoSets>;
+  const int smem = wsr::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int sms = gemm_sm_count();
+  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, ws::kBM);
+  kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), wsr::kThreads, smem, s>>>(
+      w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // The portable warp-specialized tile (gemm_fp4_wsp.cuh): persistent blocks over 128 weight rows x 128 tokens.
 template <WKind K>
 void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y,
@@ -345,7 +439,11 @@ void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
-  if (a.tiled && a.wgmma && !a.wsp) return gemm_ws_for<K>(w, a, m, bias, y, s);
+  if (a.tiled && a.wgmma && !a.wsp) {
+    if (a.rs == 2) return gemm_wsr_launch<K, true>(w, a, m, bias, y, s);
+    if (a.rs == 1) return gemm_wsr_launch<K, false>(w, a, m, bias, y, s);
+    return gemm_ws_for<K>(w, a, m, bias, y, s);
+  }
   if (a.tiled) return gemm_wsp_for<K>(w, a, m, bias, y, s);
   if (a.wgmma) {  // hi + lo: 64-token tiles (two activation tiles per stage); one fp16: 128 where the grid fills
     if (mode == GemmActs::kSplit) return gemm_wgmma_for<K, 64, true>(w, a, m, bias, y, s);
@@ -378,6 +476,16 @@ bool gemm_wgmma() {
     return fa.binaryVersion == 90;
   }();
   return on;
+}
+
+int gemm_ws_rs() {
+  // 1 by default: the register-fragment tile ran the gpt-oss shapes 10-16 % faster than the decoder-warpgroup
+  // tile, two fragment sets no faster than one (H200, bench/NOTES.md twenty-seventh session).
+  static const int rs = [] {
+    const char* e = std::getenv("NIBBLE_WS_RS");
+    return e && (e[0] == '0' || e[0] == '2') ? e[0] - '0' : 1;
+  }();
+  return rs;
 }
 
 TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy) {
@@ -433,7 +541,8 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
   const bool split = mode == GemmActs::kSplit;
   // Rows of up to 4096 elements in one read (octet_ / wgmma_activations_kernel); longer ones below.
   const int padded_groups = wg::padded_k(k) / 8;
-  if ((out.tiled || !out.wgmma) && padded_groups <= 32 * 16) {
+  const bool wgmma_order = out.wgmma && (!out.tiled || out.rs);
+  if (!wgmma_order && padded_groups <= 32 * 16) {
     const bool g12 = padded_groups <= 32 * 12;
     auto kernel = out.tiled ? (g12 ? octet_activations_kernel<12, true> : octet_activations_kernel<16, true>)
                             : (g12 ? octet_activations_kernel<12, false> : octet_activations_kernel<16, false>);
@@ -444,15 +553,16 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
     return;
   }
   const int n_kt = wg::padded_k(k) / wg::kBK;
-  if (out.wgmma && !out.tiled && n_kt <= 64) {
+  if (wgmma_order && n_kt <= 64) {
     auto kernel = n_kt <= 48 ? wgmma_activations_kernel<48> : wgmma_activations_kernel<64>;
     kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, gather, gather_div, static_cast<int>(rows), k, split,
-                                                                  out.hi, split ? out.lo : out.hi, out.unscale);
+                                                                  out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi,
+                                                                  out.unscale);
     CUDA_CHECK(cudaGetLastError());
     return;
   }
   activations_kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(
-      x, gather, gather_div, static_cast<int>(rows), k, split, out.wgmma, out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi, out.unscale);
+      x, gather, gather_div, static_cast<int>(rows), k, split, wgmma_order, out.tiled ? out.mp : 0, out.hi, split ? out.lo : out.hi, out.unscale);
   CUDA_CHECK(cudaGetLastError());
 }
 

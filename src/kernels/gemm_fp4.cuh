@@ -42,7 +42,14 @@ struct GemmActivations {
   bool tiled = false;
   int64_t mp = 0;    // tiled: rows padded to whole token tiles
   bool wsp = false;  // tiled: the portable warp-specialized tile even where the sm_90a one exists
+  // tiled, the sm_90a tile: 0 the ws tile (gemm_fp4_ws.cuh), 1 or 2 the register-fragment one (gemm_fp4_wsr.cuh,
+  // gemm_ws_rs), whose activations hold the wgmma tile's k order inside each k-tile.
+  int rs = 0;
 };
+
+// Which sm_90a warp-specialized tile dense prefill GEMMs run (GemmActivations::rs): NIBBLE_WS_RS = 0 (the
+// decoder-warpgroup tile), 1 (the register-fragment tile, one fragment set: the default) or 2 (two sets).
+int gemm_ws_rs();
 
 // Which warp-specialized tile, if any, launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on; each
 // needs its activations tiled (one fp16 only), and kWsp on an sm_90a GPU also GemmActivations::wsp. With the

@@ -366,21 +366,39 @@ __device__ __forceinline__ void multiply_tile(const Pipe& p, const Sched& sc, in
 // the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's two weight rows are
 // fixed (g and g + 8 of its warp's 16), so their scales, biases and bounds are read once; its tokens are
 // 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory.
+// A multiplier thread's two output rows (ra = n0 + its tile row a, rb = ra + 8): y = acc * token scale * s + b.
+struct RowPair {
+  int ra, rb;
+  bool oka, okb;   // inside the weight
+  float sa, sb;    // NVFP4: the parts' global scales (times 2^8, decode_half's fold); else 1
+  float ba, bb;    // bias or 0
+};
+template <WKind K>
+__device__ __forceinline__ RowPair row_pair(const DevWeight& w, const float* __restrict__ bias, int n0) {
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+  RowPair r;
+  r.ra = n0 + wg * 64 + warp * 16 + g, r.rb = r.ra + 8;
+  r.oka = r.ra < w.n, r.okb = r.rb < w.n;
+  // NVFP4 global scales as multipliers (a divide-convention part's reciprocal: within an ulp of dividing).
+  auto row_scale = [&](int row) {
+    if (K != WKind::kNVFP4 || row >= w.n) return 1.0f;
+    const DevPart& part = find_part(w, row);
+    return 256.0f * (part.divide ? 1.0f / part.global : part.global);  // (2^8: decode_half's NVFP4 fold)
+  };
+  r.sa = row_scale(r.ra), r.sb = row_scale(r.rb);
+  r.ba = bias && r.oka ? bias[r.ra] : 0.0f, r.bb = bias && r.okb ? bias[r.rb] : 0.0f;
+  return r;
+}
+
 template <WKind K>
 __device__ __forceinline__ void epilogue(const float (&acc)[128], const DevWeight& w, const float* us,
                                          const float* __restrict__ bias, float* __restrict__ y, int n0, int64_t m0,
                                          int a_rows) {
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int n = w.n, ra = n0 + wg * 64 + warp * 16 + g, rb = ra + 8;
-  const bool oka = ra < n, okb = rb < n;
-  // NVFP4 global scales as multipliers (a divide-convention part's reciprocal: within an ulp of dividing).
-  auto row_scale = [&](int row) {
-    if (K != WKind::kNVFP4 || row >= n) return 1.0f;
-    const DevPart& part = find_part(w, row);
-    return 256.0f * (part.divide ? 1.0f / part.global : part.global);  // (2^8: decode_half's NVFP4 fold)
-  };
-  const float sa = row_scale(ra), sb = row_scale(rb);
-  const float ba = bias && oka ? bias[ra] : 0.0f, bb = bias && okb ? bias[rb] : 0.0f;
+  const int t = threadIdx.x & 3, n = w.n;
+  const RowPair rp = row_pair<K>(w, bias, n0);
+  const int ra = rp.ra, rb = rp.rb;
+  const bool oka = rp.oka, okb = rp.okb;
+  const float sa = rp.sa, sb = rp.sb, ba = rp.ba, bb = rp.bb;
   float* ya = y + m0 * n + ra;
   float* yb = y + m0 * n + rb;
 #pragma unroll
