@@ -253,22 +253,23 @@ __global__ void __launch_bounds__(ws::kThreads, 1) gemm_fp4_ws_kernel(const __gr
 // The warp-specialized sm_90a tile with register A fragments (gemm_fp4_wsr.cuh), persistent like the one above:
 // warpgroup 2 copies codes, scales and activations into the stages, warpgroups 0 and 1 decode their own A
 // fragments, run the wgmmas and the epilogue. a_tiles: tiled fp16 activations of mp rows in the wgmma tile's
-// k order (GemmActivations::rs). kTwoSets: a fragment set per k-tile parity (see the header).
-template <WKind K, bool kTwoSets>
+// k order (GemmActivations::rs). kTwoSets: a fragment set per k-tile parity (see the header); BM: tokens per
+// tile (256 or 128).
+template <WKind K, bool kTwoSets, int BM>
 __global__ void __launch_bounds__(wsr::kThreads, 1) gemm_fp4_wsr_kernel(const __grid_constant__ DevWeight w,
                                                                         const uint8_t* __restrict__ a_tiles,
                                                                         const float* __restrict__ unscale, int64_t mp,
                                                                         int m, const float* __restrict__ bias,
                                                                         float* __restrict__ y) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int S = wsr::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  constexpr int S = wsr::Geo<BM>::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t bars[2 * S];
-  __shared__ float us[2][ws::kBM];  // the token scales of the current and the previous tile
+  __shared__ float us[2][BM];  // the token scales of the current and the previous tile
   const int tid = threadIdx.x;
-  const wsr::Pipe p{smem, bars, bars + S};
+  const wsr::Pipe<BM> p{smem, bars, bars + S};
   const int col_tiles = (w.n + ws::kBN - 1) / ws::kBN;
-  const ws::Sched sc{col_tiles, col_tiles * ((m + ws::kBM - 1) / ws::kBM), (w.k + ws::kBK - 1) / ws::kBK};
+  const wsr::Sched<BM> sc{{col_tiles, col_tiles * ((m + BM - 1) / BM), (w.k + ws::kBK - 1) / ws::kBK}};
   if (tid < S) {
     ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
     ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
@@ -278,16 +279,17 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) gemm_fp4_wsr_kernel(const __
   // The producer needs few registers, the multipliers' accumulators and fragments many.
   if (tid >= 256) {
     wsr::setmaxnreg_dec<40>();
-    return wsr::producer<K, S>(p, sc, w, a_tiles, mp);
+    return wsr::producer<K, BM>(p, sc, w, a_tiles, mp);
   }
   wsr::setmaxnreg_inc<232>();
   const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row_a = wgi * 64 + warp * 16 + (lane >> 2), row_b = row_a + 8;  // tile rows of the lane's fragments
-  float acc[128];
+  float acc[BM / 2];
   uint32_t f0[4][4], f1[4][4];
   for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
     const int tile = sc.tile(it), n0 = sc.n0(tile), m0 = sc.m0(tile);
-    const float u = m0 + tid < m ? unscale[m0 + tid] : 0.0f;  // (stored for the epilogue after the k loop)
+    // (stored for the epilogue after the k loop)
+    const float u = tid < BM && m0 + tid < m ? unscale[m0 + tid] : 0.0f;
     // The low address bits of each row's scale bytes (fetch_raw copies the aligned words around them).
     auto scale_off = [&](int r) {
       const gemm::BRow b = gemm::brow_of(w, n0 + r < w.n ? n0 + r : -1, w.k, kBlk);
@@ -296,26 +298,26 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) gemm_fp4_wsr_kernel(const __
     const int off_a = scale_off(row_a), off_b = scale_off(row_b);
     if constexpr (kTwoSets) {
       for (int kt = 0; kt < sc.n_kt; kt += 2) {
-        wsr::k_step<K, S>(p, g, kt, w.k, row_a, row_b, off_a, off_b, false, f0, acc);
+        wsr::k_step<K, BM>(p, g, kt, w.k, row_a, row_b, off_a, off_b, false, f0, acc);
         ws::wgmma_wait1();  // k-tile kt - 1's wgmmas are done: f1 and its stage are free
         if (kt > 0 && lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
         ++g;
         // (A break, not a condition around the odd step: on a path that skipped it and looped back, f0 would be
         // rewritten while its wgmmas ran, and ptxas serializes every wgmma for that path, C7513.)
         if (kt + 1 >= sc.n_kt) break;
-        wsr::k_step<K, S>(p, g, kt + 1, w.k, row_a, row_b, off_a, off_b, false, f1, acc);
+        wsr::k_step<K, BM>(p, g, kt + 1, w.k, row_a, row_b, off_a, off_b, false, f1, acc);
         ws::wgmma_wait1();
         if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
         ++g;
       }
     } else {
-      for (int kt = 0; kt < sc.n_kt; ++kt, ++g) wsr::k_step<K, S>(p, g, kt, w.k, row_a, row_b, off_a, off_b, true, f0, acc);
+      for (int kt = 0; kt < sc.n_kt; ++kt, ++g) wsr::k_step<K, BM>(p, g, kt, w.k, row_a, row_b, off_a, off_b, true, f0, acc);
     }
     wg::wgmma_wait0();
     if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the tile's last stage
-    us[it & 1][tid] = u;
+    if (tid < BM) us[it & 1][tid] = u;
     wsr::multipliers_sync();
-    if (!NIBBLE_WS_FAKE_EPI || acc[0] == 12345.0f) ws::epilogue<K>(acc, w, us[it & 1], bias, y, n0, m0, min(ws::kBM, m - m0));
+    if (!NIBBLE_WS_FAKE_EPI || acc[0] == 12345.0f) ws::epilogue<K, BM>(acc, w, us[it & 1], bias, y, n0, m0, min(BM, m - m0));
   }
 #else
   __trap();  // only the sm_90a build has this tile (gemm_tiled_tile says when it runs)
@@ -416,16 +418,31 @@ void gemm_ws_for(const DevWeight& w, const GemmActivations& a, int64_t m, const 
   }
 }
 
-template <WKind K, bool kTwoSets>
+template <WKind K, bool kTwoSets, int BM>
 void gemm_wsr_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
-  auto kernel = gemm_fp4_wsr_kernel<K, kTwoSets>;
-  const int smem = wsr::kSmem;
+  auto kernel = gemm_fp4_wsr_kernel<K, kTwoSets, BM>;
+  const int smem = wsr::Geo<BM>::kSmem;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int sms = gemm_sm_count();
-  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, ws::kBM);
+  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, BM);
   kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), wsr::kThreads, smem, s>>>(
       w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// Tokens per tile of the register-fragment sm_90a tile: 128 where that takes no more rounds of the persistent grid
+// than 256-token tiles do (a small M whose 256-token grid leaves most SMs idle), else 256. A 128-token round costs
+// 0.65 (NVFP4) to 0.8 (MXFP4) of a 256-token one, not half: every weight is decoded for half the tokens (H200,
+// gpt-oss shapes, twenty-seventh session). NIBBLE_WS_BM=128|256 forces one (measurements).
+int pick_ws_bm(int64_t m, int n) {
+  static const int forced = [] {
+    const char* e = std::getenv("NIBBLE_WS_BM");
+    return e ? std::atoi(e) : 0;
+  }();
+  if (forced == 128 || forced == 256) return forced;
+  const int sms = gemm_sm_count();
+  const int64_t cols = ceil_div(n, ws::kBN);
+  return ceil_div(cols * ceil_div(m, 128), sms) <= ceil_div(cols * ceil_div(m, 256), sms) ? 128 : 256;
 }
 
 // The portable warp-specialized tile (gemm_fp4_wsp.cuh): persistent blocks over 128 weight rows x 128 tokens.
@@ -440,8 +457,9 @@ template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
   if (a.tiled && a.wgmma && !a.wsp) {
-    if (a.rs == 2) return gemm_wsr_launch<K, true>(w, a, m, bias, y, s);
-    if (a.rs == 1) return gemm_wsr_launch<K, false>(w, a, m, bias, y, s);
+    if (a.rs == 2) return gemm_wsr_launch<K, true, 256>(w, a, m, bias, y, s);
+    if (a.rs == 1 && pick_ws_bm(m, w.n) == 128) return gemm_wsr_launch<K, false, 128>(w, a, m, bias, y, s);
+    if (a.rs == 1) return gemm_wsr_launch<K, false, 256>(w, a, m, bias, y, s);
     return gemm_ws_for<K>(w, a, m, bias, y, s);
   }
   if (a.tiled) return gemm_wsp_for<K>(w, a, m, bias, y, s);

@@ -362,10 +362,6 @@ __device__ __forceinline__ void multiply_tile(const Pipe& p, const Sched& sc, in
 }
 #endif
 
-// Writes a multiplier thread's D elements of tile (n0, m0): y[m0 + token][n0 + row] = acc * unscale[token] *
-// the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's two weight rows are
-// fixed (g and g + 8 of its warp's 16), so their scales, biases and bounds are read once; its tokens are
-// 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory.
 // A multiplier thread's two output rows (ra = n0 + its tile row a, rb = ra + 8): y = acc * token scale * s + b.
 struct RowPair {
   int ra, rb;
@@ -390,8 +386,13 @@ __device__ __forceinline__ RowPair row_pair(const DevWeight& w, const float* __r
   return r;
 }
 
-template <WKind K>
-__device__ __forceinline__ void epilogue(const float (&acc)[128], const DevWeight& w, const float* us,
+// Writes a multiplier thread's D elements of tile (n0, m0): y[m0 + token][n0 + row] = acc * unscale[token] *
+// the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's two weight rows are
+// fixed (g and g + 8 of its warp's 16), so their scales, biases and bounds are read once; its tokens are
+// 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory;
+// BM: the tile's tokens (the register-fragment tile also runs 128).
+template <WKind K, int BM = kBM>
+__device__ __forceinline__ void epilogue(const float (&acc)[BM / 2], const DevWeight& w, const float* us,
                                          const float* __restrict__ bias, float* __restrict__ y, int n0, int64_t m0,
                                          int a_rows) {
   const int t = threadIdx.x & 3, n = w.n;
@@ -402,7 +403,7 @@ __device__ __forceinline__ void epilogue(const float (&acc)[128], const DevWeigh
   float* ya = y + m0 * n + ra;
   float* yb = y + m0 * n + rb;
 #pragma unroll
-  for (int j = 0; j < kBM / 8; ++j) {
+  for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int token = 8 * j + 2 * t + i;

@@ -35,21 +35,35 @@
 namespace nb::cuda::wsr {
 
 using ws::kBK;
-using ws::kBM;
 using ws::kBN;
-constexpr int kStages = 5;
 constexpr int kThreads = 384;  // two multiplier warpgroups + the producer warpgroup
-constexpr int kABytes = ws::kABytes;  // 32 KiB of fp16 activations per stage
-// A stage: [activations][each row's 32 code bytes][each row's two scale words] (ws::fetch_raw's slot layout).
-constexpr int kStageBytes = kABytes + ws::kRawBytes;
-constexpr int kSmem = kStages * kStageBytes;
 
+// BM tokens per tile (the wgmma N): 256, or 128 where that adds no round to the persistent grid (gemm_fp4.cu
+// pick_ws_bm: 128-token tiles decode each weight for half the tokens, so they pay only where SMs would idle).
+// A stage: [BM x 64 fp16 activations][each row's 32 code bytes][each row's two scale words] (ws::fetch_raw's
+// slot layout).
+template <int BM>
+struct Geo {
+  static_assert(BM == 128 || BM == 256, "wgmma N of 128 or 256");
+  static constexpr int kABytes = BM * kBK * 2;
+  static constexpr int kStageBytes = kABytes + ws::kRawBytes;
+  static constexpr int kStages = BM == 256 ? 5 : 8;
+  static constexpr int kSmem = kStages * kStageBytes;
+};
+
+template <int BM>
 struct Pipe {
   uint8_t* smem;
   uint64_t* full;   // 128 producer arrivals (cp.async landed) + thread 0's arrival with the activation bytes
   uint64_t* empty;  // one arrival per multiplier warp
-  __device__ uint8_t* act(int s) const { return smem + s * kStageBytes; }
-  __device__ uint8_t* raw(int s) const { return smem + s * kStageBytes + kABytes; }
+  __device__ uint8_t* act(int s) const { return smem + s * Geo<BM>::kStageBytes; }
+  __device__ uint8_t* raw(int s) const { return smem + s * Geo<BM>::kStageBytes + Geo<BM>::kABytes; }
+};
+
+// ws::Sched with BM-token tiles.
+template <int BM>
+struct Sched : ws::Sched {
+  __device__ int m0(int tile) const { return (tile / n_col_tiles) * BM; }
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -86,6 +100,30 @@ __device__ __forceinline__ void wgmma_rs_n256(float (&d)[128], const uint32_t (&
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+template <int BM>
+__device__ __forceinline__ void wgmma_rs(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  if constexpr (BM == 256) wgmma_rs_n256(d, a, db, accumulate);
+  else wgmma_rs_n128(d, a, db, accumulate);
+}
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* b) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ws::smem_u32(b)) : "memory");
 }
@@ -99,10 +137,10 @@ __device__ __forceinline__ void multipliers_sync() { asm volatile("bar.sync 1, 2
 // The producer warpgroup (d = threadIdx.x - 256: tile row d): for every k-tile of the block's schedule, wait
 // until its stage is free, copy the row's codes and scale words into it (arriving on `full` when they land)
 // and, thread 0, start the stage's activation copy. a_tiles: the tiled activations (mp rows).
-template <WKind K, int S>
-__device__ __forceinline__ void producer(const Pipe& p, const ws::Sched& sc, const DevWeight& w, const uint8_t* a_tiles,
-                                         int64_t mp) {
-  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16;
+template <WKind K, int BM>
+__device__ __forceinline__ void producer(const Pipe<BM>& p, const Sched<BM>& sc, const DevWeight& w,
+                                         const uint8_t* a_tiles, int64_t mp) {
+  constexpr int kBlk = K == WKind::kMXFP4 ? 32 : 16, S = Geo<BM>::kStages, kABytes = Geo<BM>::kABytes;
   const int d = threadIdx.x - 256, n_tiles = sc.my_tiles();
   for (int it = 0, g = 0; it < n_tiles; ++it) {
     const int tile = sc.tile(it), m0 = sc.m0(tile), row = sc.n0(tile) + d;
@@ -167,9 +205,11 @@ __device__ __forceinline__ void decode_frags(uint2 ca, uint2 cb, uint32_t fa, ui
 
 // One k-tile of a multiplier warpgroup: wait for the stage, read the lane's codes and scale words, decode
 // into `frag` and issue the 4 wgmmas. g: the block's k-tile counter (stage and phase).
-template <WKind K, int S>
-__device__ __forceinline__ void k_step(const Pipe& p, int g, int kt, int k, int row_a, int row_b, int off_a, int off_b,
-                                       bool wait_before_decode, uint32_t (&frag)[4][4], float (&acc)[128]) {
+template <WKind K, int BM>
+__device__ __forceinline__ void k_step(const Pipe<BM>& p, int g, int kt, int k, int row_a, int row_b, int off_a,
+                                       int off_b, bool wait_before_decode, uint32_t (&frag)[4][4],
+                                       float (&acc)[BM / 2]) {
+  constexpr int S = Geo<BM>::kStages;
   const int lane = threadIdx.x & 31, t = lane & 3;
   const int s = g % S;
   ws::mbar_wait(p.full + s, (g / S) & 1);
@@ -187,7 +227,7 @@ __device__ __forceinline__ void k_step(const Pipe& p, int g, int kt, int k, int 
   wg::wgmma_fence();
   const uint8_t* a = p.act(s);
 #pragma unroll
-  for (int sl = 0; sl < kBK / 16; ++sl) wgmma_rs_n256(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
+  for (int sl = 0; sl < kBK / 16; ++sl) wgmma_rs<BM>(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
   wg::wgmma_commit();
 }
 #endif

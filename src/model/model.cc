@@ -60,8 +60,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // NIBBLE_FUSED_HEAD (::fused_head) and NIBBLE_O_STAGED (::stage_o_input). A test switch: NIBBLE_STREAM_SMS,
   // a positive SM count (the one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
   // launchers: NIBBLE_WSP_STAGES (2: the portable warp-specialized tile at GB10's depth),
-  // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile) and NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
-  // gemm_fp4.cuh gemm_ws_rs). (Values unused in a CPU-only build.)
+  // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile), NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
+  // gemm_fp4.cuh gemm_ws_rs) and NIBBLE_WS_BM (128 or 256: its tokens per tile). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
@@ -83,6 +83,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   }
   if (const char* v = std::getenv("NIBBLE_WS_RS"); v && (std::string(v).size() != 1 || v[0] < '0' || v[0] > '2'))
     return error(std::string("NIBBLE_WS_RS=") + v + ": expected 0, 1 or 2");
+  if (const char* v = std::getenv("NIBBLE_WS_BM"); v && std::string(v) != "128" && std::string(v) != "256")
+    return error(std::string("NIBBLE_WS_BM=") + v + ": expected 128 or 256");
   if (const char* v = std::getenv("NIBBLE_WSP_STAGES"); v && std::string(v) != "2")
     return error(std::string("NIBBLE_WSP_STAGES=") + v + ": expected 2 (unset: the GPU's own depth)");
   if (const char* v = std::getenv("NIBBLE_MOE_VARIANT");
