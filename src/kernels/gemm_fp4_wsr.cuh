@@ -8,12 +8,12 @@
 // warp per scheduler long, and the tensor pipe idles behind it. Here there is no decoder:
 //   the producer warpgroup (warps 8-11) only copies: per k-tile each thread cp.asyncs its row's 32 code bytes
 //     and scale words into the stage (ws::fetch_raw's layout) with an arrival on `full` when they land, and
-//     thread 0 starts the stage's 32 KiB activation bulk copy;
+//     thread 0 starts the stage's activation bulk copy (BM tokens x 64, 32 KiB at BM = 256);
 //   each multiplier warpgroup (warps 0-7, 64 weight rows) decodes its own A fragments from the stage's codes
 //     (a lane: rows g and g + 8 of its warp, 16 elements each per k-tile -- gemm_fp4_wgmma.cuh's decode) and
-//     issues 4 wgmma m64n256k16 with A in registers. Per k-tile and SM that is ~700 warp instructions of decode
-//     against 1024 cycles of tensor work, spread over 8 warps instead of 4, with no shared-memory stores,
-//     no proxy fence and no hand-off.
+//     issues 4 wgmma m64nBMk16 with A in registers. Per k-tile and SM that is ~800 warp instructions of decode
+//     against 1024 cycles of tensor work (BM = 256), spread over 8 warps instead of 4, with no shared-memory
+//     stores, no proxy fence and no hand-off.
 // A fragment's registers must not change while a wgmma that reads them runs. kTwoSets = false: one set of
 // fragments, every k-tile waits for its own previous wgmmas before decoding (the other warpgroup's wgmmas keep
 // the pipe busy meanwhile); kTwoSets = true: a set per k-tile parity, the decode of k-tile kt overlapping the
@@ -23,7 +23,7 @@
 // after the first S k-tiles, the decode after a tile's first two k-tiles, the epilogue's stores (bench/NOTES.md,
 // twenty-seventh session: -0 to -5 %, -7 %, -5 to -12 % at M = 2048 / 8192).
 // The activations are the ws tile's tiled layout (ws::chunk_of: 8 x 16-byte core matrices per 8 rows and
-// k-tile, one contiguous 32 KiB copy per stage) with the k order of the wgmma tile inside each k-tile
+// k-tile, one contiguous copy per stage) with the k order of the wgmma tile inside each k-tile
 // (wg::stored_of; GemmActivations::rs), so that lane t's A values are the physical elements [16 t, 16 t + 16)
 // of the row's k-tile: 8 contiguous code bytes and one block scale.
 #pragma once
