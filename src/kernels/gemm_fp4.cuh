@@ -31,8 +31,8 @@ bool gemm_wgmma();
 // that undoes the row's scaling. The k order is the tile's: for the portable tile every 8 elements as
 // 0,4,1,5,2,6,3,7 with ld = k; for the wgmma tile its stored order (gemm_fp4_wgmma.cuh stored_of) with k
 // padded to whole 64-wide k-tiles (zeros), ld = padded k. tiled (the warp-specialized tiles, sm_90a's
-// gemm_fp4_ws.cuh and the portable gemm_fp4_wsp.cuh; one fp16 only): hi holds 8 x 8 core matrices per
-// (k-tile, 8 rows), rows padded to mp (ws::chunk_of), ld unused.
+// gemm_fp4_wsr.cuh / gemm_fp4_ws.cuh and the portable gemm_fp4_wsp.cuh; one fp16 only): hi holds 8 x 8 core
+// matrices per (k-tile, 8 rows), rows padded to mp (ws::chunk_of), ld unused.
 struct GemmActivations {
   __half* hi = nullptr;
   __half* lo = nullptr;
@@ -53,10 +53,11 @@ int gemm_ws_rs();
 
 // Which warp-specialized tile, if any, launch_gemm_fp4 runs an [m, k] x [n, k]^T GEMM in `mode` on; each
 // needs its activations tiled (one fp16 only), and kWsp on an sm_90a GPU also GemmActivations::wsp. With the
-// wgmma tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_ws.cuh) at policy -1 when its grid fills the GPU or,
-// from m >= 512, a third of it, else from m >= 256 the portable one (gemm_fp4_wsp.cuh) where its grid fills
-// half the SMs to one round; at policy 1 the sm_90a tile whenever it can (m >= 256). Otherwise the portable
-// tile: policy -1 or 1 from m >= 128. Policy 0: none (the wgmma or block tiles). CudaBackendOptions::gemm_ws.
+// wgmma tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_wsr.cuh, gemm_ws_rs) at policy -1 when its grid fills
+// the GPU or, from m >= 512, a third of it, else from m >= 256 the portable one (gemm_fp4_wsp.cuh) where its
+// grid fills half the SMs to one round; at policy 1 the sm_90a tile whenever it can (m >= 256). Otherwise the
+// portable tile: policy -1 or 1 from m >= 128. Policy 0: none (the wgmma or block tiles).
+// CudaBackendOptions::gemm_ws.
 enum class TiledTile : uint8_t { kNone, kWs, kWsp };
 TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy);
 
