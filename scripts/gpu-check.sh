@@ -80,9 +80,21 @@ fi
 #           NIBBLE_TG_FORMATS (default mxfp4): a switch's A/B in one build
 #   gemmenv nibble_gemm_bench ${NIBBLE_GEMM_ARGS:---quick} once per setting in NIBBLE_GEMM_ENVS, alternating, NIBBLE_TG_ROUNDS
 #           rounds: a prefill GEMM switch's A/B in one build (not in the default list)
+#   pptrace per-kernel GPU time of nibble_e2e_bench --no-tg --pp ${NIBBLE_PP:-2048} (CUPTI; tools/bench/kernel_sums.py),
+#           per model in NIBBLE_PROFILE_MODELS (default both) and setting in NIBBLE_PP_ENVS (not in the default list)
+#   ppenv   nibble_e2e_bench --no-tg --pp ${NIBBLE_PP:-512,2048,8192} once per setting in NIBBLE_PP_ENVS, alternating,
+#           NIBBLE_TG_ROUNDS rounds (not in the default list)
 #   profile kernel timeline of tg128 (tools/bench/kernel_trace.cc, CUPTI) (NIBBLE_PROFILE_MODELS, default gpt-oss-120b; NIBBLE_PROFILE_FORMAT,
 #           default mxfp4): per kernel, calls, duration and how far it moves the step's end
 #           (tools/bench/decode_timeline.py); NIBBLE_PROFILE_ENVS: one run per setting; not in the default list
+build_tracer() {  # /tmp/prof/libkernel_trace.so (tools/bench/kernel_trace.cc: CUPTI kernel records as CSV)
+  rm -rf /tmp/prof && mkdir -p /tmp/prof
+  local cuda cupti
+  cuda=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+  cupti=$(dirname "$(find "$cuda"/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+  g++ -shared -fPIC -O2 tools/bench/kernel_trace.cc -I"$cuda/include" -I"$cuda/extras/CUPTI/include" \
+    -L"$cupti" -lcupti -Wl,-rpath,"$cupti" -o /tmp/prof/libkernel_trace.so
+}
 bench() {  # name, timeout, command...
   local name=$1 limit=$2
   shift 2
@@ -128,11 +140,7 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
         # GB10's depth of the warp-specialized portable tile (2 stages: its 99 KiB of shared memory per block)
         bench gemm_portable_2stages 200 env NIBBLE_WGMMA=0 NIBBLE_WSP_STAGES=2 "$B"/src/nibble_gemm_bench --quick ;;
       profile)  # kernel timeline of tg128 (CUPTI, graph nodes included): per kernel, duration and critical-path advance
-        rm -rf /tmp/prof && mkdir -p /tmp/prof
-        cuda=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
-        cupti=$(dirname "$(find "$cuda"/ -name 'libcupti.so*' 2>/dev/null | head -1)")
-        g++ -shared -fPIC -O2 tools/bench/kernel_trace.cc -I"$cuda/include" -I"$cuda/extras/CUPTI/include" \
-          -L"$cupti" -lcupti -Wl,-rpath,"$cupti" -o /tmp/prof/libkernel_trace.so
+        build_tracer
         for m in ${NIBBLE_PROFILE_MODELS:-gpt-oss-120b}; do
           for e in ${NIBBLE_PROFILE_ENVS:--}; do  # as NIBBLE_TG_ENVS (tgenv below): one run each
             v=${e#-}; tag=$m${v//=/_}; tag=${tag//,/_}
@@ -140,6 +148,27 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
             env ${v//,/ } NIBBLE_TRACE_CSV=/tmp/prof/$tag.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench \
               --pp '' --dense-formats "${NIBBLE_PROFILE_FORMAT:-mxfp4}" "configs/$m" 2>&1 | grep -E "kernel_trace|tok/s|\| configs"
             bench "profile_$tag" 60 python3 tools/bench/decode_timeline.py /tmp/prof/$tag.csv
+          done
+        done ;;
+      pptrace)  # per-kernel GPU time of a prefill (CUPTI): one run per model and NIBBLE_PP_ENVS setting
+        build_tracer
+        for m in ${NIBBLE_PROFILE_MODELS:-gpt-oss-20b gpt-oss-120b}; do
+          for e in ${NIBBLE_PP_ENVS:--}; do
+            v=${e#-}; tag=pp$m${v//=/_}; tag=${tag//,/_}
+            echo "== pptrace $m $v"
+            env ${v//,/ } NIBBLE_TRACE_CSV=/tmp/prof/$tag.csv LD_PRELOAD=/tmp/prof/libkernel_trace.so "$B"/src/nibble_e2e_bench \
+              --no-tg --pp "${NIBBLE_PP:-2048}" "configs/$m" 2>&1 | grep -E "kernel_trace|\| configs"
+            bench "pptrace_$tag" 60 python3 tools/bench/kernel_sums.py /tmp/prof/$tag.csv --top "${NIBBLE_TRACE_TOP:-12}"
+          done
+        done ;;
+      ppenv)  # pp per NIBBLE_PP_ENVS setting (fp16 activations), alternating as tgenv: a prefill switch's A/B
+        for r in $(seq "${NIBBLE_TG_ROUNDS:-2}"); do
+          for e in ${NIBBLE_PP_ENVS:--}; do
+            v=${e#-}; tag=${v//=/_}; tag=${tag//,/_}
+            echo "== round $r $v"
+            bench "e2e_ppenv_${tag}_$r" 150 env ${v//,/ } "$B"/src/nibble_e2e_bench --no-tg --pp "${NIBBLE_PP:-512,2048,8192}" \
+              --max-seconds 20 configs/gpt-oss-20b configs/gpt-oss-120b >/dev/null
+            grep -E "^\| configs" "$OUT/e2e_ppenv_${tag}_$r.md"
           done
         done ;;
       tgenv)  # tg128 per NIBBLE_TG_ENVS setting, alternating for NIBBLE_TG_ROUNDS rounds: an A/B of a switch

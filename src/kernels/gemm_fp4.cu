@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) activations_kernel(const floa
                                                                       __half* __restrict__ lo,
                                                                       float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= rows) return;
+  if (r >= rows || (gather && gather[r] < 0)) return;  // (gather -1: a MoE pad slot, moe_gemm.cu)
   const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
   const float4* src = reinterpret_cast<const float4*>(row);
   const int groups = k / 8;
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) octet_activations_kernel(cons
                                                                             __half* __restrict__ lo,
                                                                             float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= rows) return;
+  if (r >= rows || (gather && gather[r] < 0)) return;  // (gather -1: a MoE pad slot, moe_gemm.cu)
   const float4* src = reinterpret_cast<const float4*>(x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k);
   const int groups = k / 8;
   float4 v[G][2];
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(cons
                                                                             int64_t tiled_mp, __half* __restrict__ hi,
                                                                             __half* __restrict__ lo, float* __restrict__ unscale) {
   const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= rows) return;
+  if (r >= rows || (gather && gather[r] < 0)) return;  // (gather -1: a MoE pad slot, moe_gemm.cu)
   const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
   const int kp = wg::padded_k(k), j = wg::stored_of(2 * lane);
   float v[NT][2];

@@ -68,7 +68,8 @@ int gemm_sm_count();
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled = false);
 GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode, bool tiled = false);
 
-// Row r of the output converts row gather[r] / gather_div of x [.., k] (or row r when gather is null).
+// Row r of the output converts row gather[r] / gather_div of x [.., k] (or row r when gather is null); rows with
+// gather[r] < 0 are left as they are (the MoE tiles' pad slots).
 void launch_gemm_activations(const float* x, const int32_t* gather, int gather_div, int64_t rows, int k, GemmActs mode,
                              const GemmActivations& out, cudaStream_t s);
 

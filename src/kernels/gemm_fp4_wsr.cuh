@@ -204,8 +204,10 @@ __device__ __forceinline__ void decode_frags(uint2 ca, uint2 cb, uint32_t fa, ui
 }
 
 // One k-tile of a multiplier warpgroup: wait for the stage, read the lane's codes and scale words, decode
-// into `frag` and issue the 4 wgmmas. g: the block's k-tile counter (stage and phase).
-template <WKind K, int BM>
+// into `frag` and issue the 4 wgmmas. g: the block's k-tile counter (stage and phase). N < BM (the MoE tiles'
+// narrower token tiles, moe_gemm.cu): wgmma m64nNk16 over the stage's first N tokens, always accumulating
+// (the caller zeroes acc).
+template <WKind K, int BM, int N = BM>
 __device__ __forceinline__ void k_step(const Pipe<BM>& p, int g, int kt, int k, int row_a, int row_b, int off_a,
                                        int off_b, bool wait_before_decode, uint32_t (&frag)[4][4],
                                        float (&acc)[BM / 2]) {
@@ -227,7 +229,10 @@ __device__ __forceinline__ void k_step(const Pipe<BM>& p, int g, int kt, int k, 
   wg::wgmma_fence();
   const uint8_t* a = p.act(s);
 #pragma unroll
-  for (int sl = 0; sl < kBK / 16; ++sl) wgmma_rs<BM>(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
+  for (int sl = 0; sl < kBK / 16; ++sl) {
+    if constexpr (N == BM) wgmma_rs<BM>(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
+    else wg::wgmma<N>(acc, frag[sl], ws::desc(a + 256 * sl));
+  }
   wg::wgmma_commit();
 }
 #endif

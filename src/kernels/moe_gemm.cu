@@ -14,6 +14,7 @@
 #include "kernels/gemm_fp4_tile.cuh"
 #include "kernels/gemm_fp4_wgmma.cuh"
 #include "kernels/gemm_fp4_wsp.cuh"
+#include "kernels/gemm_fp4_wsr.cuh"
 
 #include <cstdlib>
 
@@ -24,9 +25,13 @@ using gemm::kBN;
 constexpr int kMinBM = 64;  // the smaller token-tile height; the scratch's tile list is sized for it
 constexpr int kMaxExperts = 4096;
 
-__global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n_experts, int bm, int32_t* __restrict__ offsets,
-                             int32_t* __restrict__ slot_of, int32_t* __restrict__ pair_of, int2* __restrict__ tiles,
-                             int32_t* __restrict__ n_tiles) {
+// align > 1 (the sm_90a register-fragment tile, whose token tiles are bulk copies of whole 8-row core-matrix
+// groups): each expert's first slot a multiple of align; the pad slots, and those up to max_slots, get pair -1
+// (launch_gemm_activations skips them), and counts_out [n_experts] keeps the true counts.
+__global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n_experts, int bm, int align,
+                             int max_slots, int32_t* __restrict__ offsets, int32_t* __restrict__ slot_of,
+                             int32_t* __restrict__ pair_of, int2* __restrict__ tiles, int32_t* __restrict__ n_tiles,
+                             int32_t* __restrict__ counts_out) {
   extern __shared__ int32_t counts[];  // [n_experts] counts, then [n_experts] cursors
   int32_t* cursor = counts + n_experts;
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x) counts[e] = 0;
@@ -42,12 +47,20 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, int n_pairs, int n
     for (int e = 0; e < n_experts; ++e) {
       offsets[e] = cursor[e] = off;
       for (int m0 = 0; m0 < counts[e]; m0 += bm) tiles[nt++] = make_int2(e, m0);
-      off += counts[e];
+      off += (counts[e] + align - 1) / align * align;
     }
     offsets[n_experts] = off;
     *n_tiles = nt;
   }
   __syncthreads();
+  if (align > 1) {  // (before the slots are claimed: the cursors still hold the offsets)
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+      counts_out[e] = counts[e];
+      const int end = e + 1 < n_experts ? cursor[e + 1] : max_slots;
+      for (int slot = cursor[e] + counts[e]; slot < end; ++slot) pair_of[slot] = -1;
+    }
+    __syncthreads();
+  }
   for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
     const int slot = atomicAdd(&cursor[ids[p]], 1);
     slot_of[p] = slot;
@@ -339,6 +352,276 @@ struct WspFc2Job {
   }
 };
 
+// The two projections on the sm_90a register-fragment tile (gemm_fp4_wsr.cuh): persistent blocks over (listed
+// token tile, weight tile) items as on the portable tile above, a producer warpgroup that copies each item's
+// weight codes and its token tile's activations into the stage ring, two multiplier warpgroups that decode
+// their A fragments and issue wgmma with the activations from shared memory. A token tile is one bulk copy of
+// whole 8-row core-matrix groups of the tiled activations, so every expert's first slot is a multiple of 8
+// (group_kernel's align; the pad slots are never converted, multiplied into outputs that are kept, or read);
+// wgmma's N is the narrowest of 16, 32, 64, 96, 128 that covers the tile's rows (an expert's last tile is
+// usually partial), and only those N rows are copied.
+namespace wsrm {
+
+constexpr int kBM = 128;  // token rows per listed tile
+constexpr int kAlign = 8;  // an 8-row core-matrix group
+using Geo = wsr::Geo<kBM>;
+
+// The slots (rows) the grouping may use: each expert's rows rounded up to kAlign.
+inline int64_t slots_for(int64_t n_pairs, int n_experts) { return n_pairs + (kAlign - 1) * static_cast<int64_t>(n_experts); }
+
+// The narrowest wgmma N that covers `rows` tokens.
+__host__ __device__ constexpr int n_of(int rows) {
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+}
+
+struct Item {
+  const DevWeight* w;  // the expert's projection
+  int n0;              // the item's first output (FC1: of d_expert; FC2: of d_model)
+  int row0, rows;      // its token tile: first slot (a multiple of kAlign) and rows (<= kBM)
+  int e;               // the expert
+};
+
+struct Tiles {
+  const int2* tiles;
+  const int32_t* n_tiles;
+  const int32_t* offsets;
+  const int32_t* counts;
+  __device__ Item item(const DevWeight* experts, int n_col, int cols_per_tile, int i) const {
+    const int2 t = tiles[i / n_col];
+    return Item{experts + t.x, i % n_col * cols_per_tile, offsets[t.x] + t.y, min(kBM, counts[t.x] - t.y), t.x};
+  }
+};
+
+// FC1 + bias + GLU: an item covers outputs j in [n0, n0 + 64); tile row c is the gate (c % 16 < 8) or up row of
+// output n0 + 8 (c / 16) + c % 8, so a multiplier lane's rows a and a + 8 are one output's gate and up. The
+// result goes to act (fp32) or, out.hi set, straight into FC2's tiled fp16 activations at 2^10 (gpt-oss's
+// bounded GLU; projections_wsr says when).
+template <WKind K>
+struct Fc1Job {
+  ExpertTable tab;
+  Tiles tl;
+  Glu glu;
+  float limit;
+  float* act;
+  GemmActivations out;
+  __device__ int k() const { return tab.d_model; }
+  __device__ int n_col() const { return (tab.d_expert + ws::kBN / 2 - 1) / (ws::kBN / 2); }
+  __device__ int n_items() const { return *tl.n_tiles * n_col(); }
+  __device__ Item item(int i) const { return tl.item(tab.fc1, n_col(), ws::kBN / 2, i); }
+  __device__ int weight_row(const Item& t, int c) const {
+    const int d = tab.d_expert, j = t.n0 + 8 * (c >> 4) + (c & 7);
+    const bool up = (c & 15) >= 8,
+               interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+    return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
+  }
+  __device__ float token_weight(const Item&, int) const { return 1.0f; }
+  // acc: D [the lane's rows ra (gate), rb (up)][tokens 8 jj + 2 (lane % 4) + i]; us: token scales.
+  __device__ void store(const float (&acc)[kBM / 2], const Item& t, int ra, int rb, const float* us,
+                        const float*) const {
+    const int d = tab.d_expert, j = t.n0 + 8 * (ra >> 4) + (ra & 7), tq = threadIdx.x & 3;
+    if (out.hi && t.n0 == 0 && static_cast<int>(threadIdx.x) < t.rows) out.unscale[t.row0 + threadIdx.x] = 1.0f / 1024.0f;
+    if (j >= d) return;
+    const int rg = weight_row(t, ra), ru = weight_row(t, rb);
+    const float sg = wsp::row_scale<K>(*t.w, rg), su = wsp::row_scale<K>(*t.w, ru);
+    const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(t.e) * 2 * d : nullptr;
+    const float bg = bias ? bias[rg] : 0.0f, bu = bias ? bias[ru] : 0.0f;
+    const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
+    const int pos = wg::position_of(j & 63);  // FC2's input: stored position of element j in its k-tile
+#pragma unroll
+    for (int jj = 0; jj < kBM / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int token = 8 * jj + 2 * tq + i;
+        if (token >= t.rows) continue;
+        const float u = us[token];
+        const float v = glu_value(acc[4 * jj + i] * u * sg + bg, acc[4 * jj + 2 + i] * u * su + bu, gpt_oss, limit);
+        const int64_t slot = t.row0 + token;
+        if (out.hi) out.hi[ws::chunk_of(slot, j >> 6, pos >> 3, out.mp) * 8 + (pos & 7)] = __float2half_rn(v * 1024.0f);
+        else act[slot * d + j] = v;
+      }
+    }
+  }
+};
+
+// FC2 + bias, times the pair's routing weight (wt, per token), into the pair's slot row: an item covers outputs
+// [n0, n0 + 128).
+template <WKind K>
+struct Fc2Job {
+  ExpertTable tab;
+  Tiles tl;
+  const int32_t* pair_of;
+  const float* weights;
+  float* y_slot;
+  __device__ int k() const { return tab.d_expert; }
+  __device__ int n_col() const { return (tab.d_model + ws::kBN - 1) / ws::kBN; }
+  __device__ int n_items() const { return *tl.n_tiles * n_col(); }
+  __device__ Item item(int i) const { return tl.item(tab.fc2, n_col(), ws::kBN, i); }
+  __device__ int weight_row(const Item& t, int c) const { return t.n0 + c < tab.d_model ? t.n0 + c : -1; }
+  __device__ float token_weight(const Item& t, int token) const { return weights[pair_of[t.row0 + token]]; }
+  __device__ void store(const float (&acc)[kBM / 2], const Item& t, int ra, int rb, const float* us,
+                        const float* wt) const {
+    const int n = tab.d_model, ca = t.n0 + ra, cb = t.n0 + rb, tq = threadIdx.x & 3;
+    const float sa = wsp::row_scale<K>(*t.w, ca < n ? ca : 0), sb = wsp::row_scale<K>(*t.w, cb < n ? cb : 0);
+    const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(t.e) * n : nullptr;
+    const float ba = bias && ca < n ? bias[ca] : 0.0f, bb = bias && cb < n ? bias[cb] : 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < kBM / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int token = 8 * jj + 2 * tq + i;
+        if (token >= t.rows) continue;
+        const float u = us[token], w = wt[token];
+        float* y = y_slot + (t.row0 + token) * static_cast<int64_t>(n);
+        // The weight multiplies after the bias (formats.md §2.4), as the CPU reference does.
+        if (ca < n) y[ca] = w * (acc[4 * jj + i] * u * sa + ba);
+        if (cb < n) y[cb] = w * (acc[4 * jj + 2 + i] * u * sb + bb);
+      }
+    }
+  }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A multiplier warpgroup's k-tiles of one item at wgmma N (gemm_fp4_wsr.cuh k_step). One fragment set: each
+// k-tile waits for its own previous wgmmas before decoding; two (kTwoSets): a set per k-tile parity, the
+// decode of k-tile kt overlapping the wgmmas of kt - 1 -- with narrow N the wgmmas are short and the decode's
+// latency is the larger part of a k-tile.
+template <WKind K, int N, bool kTwoSets>
+__device__ __forceinline__ void k_loop(const wsr::Pipe<kBM>& p, int& g, int n_kt, int k, int ra, int rb, int oa,
+                                       int ob, uint32_t (&f0)[4][4], uint32_t (&f1)[4][4], float (&acc)[kBM / 2]) {
+  constexpr int S = Geo::kStages;
+  const int lane = threadIdx.x & 31;
+  if constexpr (kTwoSets) {
+    for (int kt = 0; kt < n_kt; kt += 2) {
+      wsr::k_step<K, kBM, N>(p, g, kt, k, ra, rb, oa, ob, false, f0, acc);
+      ws::wgmma_wait1();  // k-tile kt - 1's wgmmas are done: f1 and its stage are free
+      if (kt > 0 && lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
+      ++g;
+      if (kt + 1 >= n_kt) break;  // (a break, not a condition around the odd step: gemm_fp4.cu says why)
+      wsr::k_step<K, kBM, N>(p, g, kt + 1, k, ra, rb, oa, ob, false, f1, acc);
+      ws::wgmma_wait1();
+      if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
+      ++g;
+    }
+  } else {
+    for (int kt = 0; kt < n_kt; ++kt, ++g) wsr::k_step<K, kBM, N>(p, g, kt, k, ra, rb, oa, ob, true, f0, acc);
+  }
+}
+#endif
+
+// a_tiles: the projection's tiled fp16 input (GemmActivations::rs, mp rows), unscale its row scales.
+template <WKind K, class Job, bool kTwoSets>
+__global__ void __launch_bounds__(wsr::kThreads, 1) moe_wsr_kernel(const __grid_constant__ Job job,
+                                                                   const uint8_t* __restrict__ a_tiles,
+                                                                   const float* __restrict__ unscale, int64_t mp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int S = Geo::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[2][kBM], wt[2][kBM];  // the token scales and weights of the current and the previous item
+  const int tid = threadIdx.x, k = job.k(), n_kt = (k + ws::kBK - 1) / ws::kBK, n_items = job.n_items();
+  const wsr::Pipe<kBM> p{smem, bars, bars + S};
+  if (tid < S) {
+    ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
+    ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
+  }
+  ws::mbar_fence_init();
+  __syncthreads();
+  if (tid >= 256) {  // the producer: tile row d's codes and scale words, thread 0 the token tile's N rows
+    wsr::setmaxnreg_dec<40>();
+    const int d = tid - 256;
+    for (int i = blockIdx.x, g = 0; i < n_items; i += gridDim.x) {
+      const Item t = job.item(i);
+      const uint32_t bytes = n_of(t.rows) * ws::kBK * 2;
+      const gemm::BRow br = gemm::brow_of(*t.w, job.weight_row(t, d), k, kBlk);
+      for (int kt = 0; kt < n_kt; ++kt, ++g) {
+        const int s = g % S;
+        if (g >= S) ws::mbar_wait(p.empty + s, ((g / S) - 1) & 1);  // the multipliers released it
+        ws::fetch_raw<K>(br, kt, k, d, p.raw(s), a_tiles);
+        wsr::mbar_arrive_cp_async(p.full + s);
+        if (d == 0) {
+          ws::mbar_arrive_tx(p.full + s, bytes);
+          ws::bulk_copy(p.act(s), a_tiles + (kt * (mp / 8) + t.row0 / 8) * 1024, bytes, p.full + s);
+        }
+      }
+    }
+    gemm::cp_async_wait<0>();
+    return;
+  }
+  wsr::setmaxnreg_inc<232>();
+  const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int row_a = wgi * 64 + warp * 16 + (lane >> 2), row_b = row_a + 8;  // tile rows of the lane's fragments
+  float acc[kBM / 2];
+  uint32_t f0[4][4], f1[4][4];
+  for (int i = blockIdx.x, it = 0, g = 0; i < n_items; i += gridDim.x, ++it) {
+    const Item t = job.item(i);
+    // (stored for the epilogue after the k loop)
+    const float u = tid < t.rows ? unscale[t.row0 + tid] : 0.0f, w = tid < t.rows ? job.token_weight(t, tid) : 0.0f;
+    auto scale_off = [&](int r) {  // the low address bits of a row's scale bytes (fetch_raw copies whole words)
+      const gemm::BRow b = gemm::brow_of(*t.w, job.weight_row(t, r), k, kBlk);
+      return b.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(b.scales) & 3) : 0;
+    };
+    const int off_a = scale_off(row_a), off_b = scale_off(row_b);
+#pragma unroll
+    for (int q = 0; q < kBM / 2; ++q) acc[q] = 0.0f;
+    switch (n_of(t.rows)) {
+      case 16: k_loop<K, 16, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 32: k_loop<K, 32, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 64: k_loop<K, 64, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 96: k_loop<K, 96, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      default: k_loop<K, 128, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc);
+    }
+    wg::wgmma_wait0();
+    if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the item's last stage
+    if (tid < kBM) us[it & 1][tid] = u, wt[it & 1][tid] = w;
+    wsr::multipliers_sync();
+    job.store(acc, t, row_a, row_b, us[it & 1], wt[it & 1]);
+  }
+#else
+  __trap();  // only the sm_90a build has this tile (moe_wsr says when it runs)
+#endif
+}
+
+template <WKind K, class Job>
+void launch(const Job& job, int64_t max_items, const GemmActivations& a, cudaStream_t s) {
+  // NIBBLE_MOE_WSR=2: two fragment sets (measurement; see k_loop).
+  static const bool two_sets = [] {
+    const char* e = std::getenv("NIBBLE_MOE_WSR");
+    return e && e[0] == '2';
+  }();
+  auto kernel = two_sets ? moe_wsr_kernel<K, Job, true> : moe_wsr_kernel<K, Job, false>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Geo::kSmem));
+  const int blocks = static_cast<int>(std::min<int64_t>(max_items, gemm_sm_count()));
+  kernel<<<blocks, wsr::kThreads, Geo::kSmem, s>>>(job, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace wsrm
+
+// gpt-oss's clamped SwiGLU is bounded (|glu| <= limit (limit + 1) = 56), so its output can go to fp16 at a
+// fixed 2^10 straight from the FC1 epilogue instead of through fp32 and launch_gemm_activations' per-row
+// prescale: 56 * 2^10 fits fp16, and every value above 2^-24 (fp16's normal range 2^-14, over 2^10) keeps
+// all 11 significant bits, as with the per-row prescale. d_expert whole k-tiles: FC2's input has no k pad.
+bool fc1_writes_fp16(const ExpertTable& t, Glu glu, float limit) {
+  return (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) && limit > 0.0f &&
+         limit * (limit + 1.0f) * 1024.0f < 65504.0f && t.d_expert % wg::kBK == 0;
+}
+
+template <WKind K>
+void projections_wsr(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
+                     const MoeGemmScratch& ws, cudaStream_t s) {
+  const int64_t max_tiles = moe_gemm_max_tiles(n_pairs, t.n_experts);
+  const wsrm::Tiles tl{ws.tiles, ws.n_tiles, ws.offsets, ws.counts};
+  const bool direct = fc1_writes_fp16(t, glu, limit);
+  wsrm::launch<K>(wsrm::Fc1Job<K>{t, tl, glu, limit, ws.act, direct ? ws.a : GemmActivations{}},
+                  max_tiles * ceil_div(t.d_expert, ws::kBN / 2), ws.x, s);
+  if (!direct) {
+    launch_gemm_activations(ws.act, nullptr, 1, wsrm::slots_for(n_pairs, t.n_experts), t.d_expert, GemmActs::kFp16,
+                            ws.a, s);
+  }
+  wsrm::launch<K>(wsrm::Fc2Job<K>{t, tl, ws.pair_of, weights, ws.y_slot}, max_tiles * ceil_div(t.d_model, ws::kBN),
+                  ws.a, s);
+}
+
 template <WKind K>
 void projections_wsp(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
                      const MoeGemmScratch& ws, cudaStream_t s) {
@@ -356,12 +639,7 @@ void projections_wgmma(const ExpertTable& t, const float* weights, int64_t n_pai
                        const MoeGemmScratch& ws, cudaStream_t s) {
   constexpr int smem = wg::Tile<kBM, kSplit>::kSmem;
   const unsigned max_tiles = static_cast<unsigned>(moe_gemm_max_tiles(n_pairs, t.n_experts));
-  // gpt-oss's clamped SwiGLU is bounded (|glu| <= limit (limit + 1) = 56), so its output goes to fp16 at a
-  // fixed 2^10 straight from the FC1 epilogue instead of through fp32 and launch_gemm_activations' per-row
-  // prescale: 56 * 2^10 fits fp16, and every value above 2^-24 (fp16's normal range 2^-14, over 2^10)
-  // keeps all 11 significant bits, as with the per-row prescale.
-  const bool direct = (glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves) && limit > 0.0f &&
-                      limit * (limit + 1.0f) * 1024.0f < 65504.0f && t.d_expert % wg::kBK == 0;
+  const bool direct = fc1_writes_fp16(t, glu, limit);
   auto fc1 = fc1_wgmma_kernel<K, kSplit, kBM>;
   CUDA_CHECK(cudaFuncSetAttribute(fc1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   fc1<<<dim3(ceil_div(t.d_expert, wg::kBN / 2), max_tiles), wg::kThreads, smem, s>>>(
@@ -431,25 +709,42 @@ bool moe_wsp(GemmActs mode, int64_t n_pairs, int n_experts) {
 }
 int64_t tiled_rows(int64_t n_pairs) { return n_pairs + wsp::kBM - 1; }
 
+// Whether the projections run on the sm_90a register-fragment tile (wsrm): with NIBBLE_MOE_WSR=1 (2: two
+// fragment sets), one fp16, on an sm_90a GPU. Off by default: on the H200 it ran gpt-oss's MoE layers no faster
+// than the wgmma block tiles (20b pp2048: FC1 984 vs 930 us, FC2 455 vs 513; 120b FC1 1413 vs 1262, FC2 662 vs
+// 676; two sets slower still; bench/NOTES.md, twenty-eighth session).
+bool moe_wsr(GemmActs mode) {
+  static const bool on = [] {
+    const char* e = std::getenv("NIBBLE_MOE_WSR");
+    return e && (e[0] == '1' || e[0] == '2');
+  }();
+  return on && mode == GemmActs::kFp16 && gemm_wgmma() && moe_variant() < 0;
+}
+
 }  // namespace
 
 // One layout for both functions: `take` hands out consecutive 256-byte aligned pieces.
 template <class Take>
 MoeGemmScratch moe_scratch_layout(const ExpertTable& t, int64_t n_pairs, GemmActs mode, Take&& take) {
   MoeGemmScratch ws;
-  const bool tiled = moe_wsp(mode, n_pairs, t.n_experts);
-  const int64_t rows = tiled ? tiled_rows(n_pairs) : n_pairs;
+  const bool rs = moe_wsr(mode), tiled = rs || moe_wsp(mode, n_pairs, t.n_experts);
+  // Slots: one per pair, or with the register-fragment tile each expert's rounded up to whole 8-row groups;
+  // the tiled activations hold a token tile more (a tile's copy may start at the last slot).
+  const int64_t slots = rs ? wsrm::slots_for(n_pairs, t.n_experts) : n_pairs;
+  const int64_t rows = rs ? slots + wsrm::kBM : tiled ? tiled_rows(n_pairs) : n_pairs;
   ws.tiles = static_cast<int2*>(take(moe_gemm_max_tiles(n_pairs, t.n_experts) * 8));
   ws.offsets = static_cast<int32_t*>(take((t.n_experts + 1) * 4));
+  ws.counts = static_cast<int32_t*>(take(t.n_experts * 4));
   ws.n_tiles = static_cast<int32_t*>(take(4));
   ws.slot_of = static_cast<int32_t*>(take(n_pairs * 4));
-  ws.pair_of = static_cast<int32_t*>(take(n_pairs * 4));
+  ws.pair_of = static_cast<int32_t*>(take(slots * 4));
   ws.x = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_model, mode, tiled)), rows, t.d_model,
                              mode, tiled);
-  ws.act = static_cast<float*>(take(n_pairs * t.d_expert * 4));
+  ws.act = static_cast<float*>(take(slots * t.d_expert * 4));
   ws.a = gemm_activations_in(take(gemm_activations_bytes(rows, t.d_expert, mode, tiled)), rows, t.d_expert,
                              mode, tiled);
-  ws.y_slot = static_cast<float*>(take(n_pairs * t.d_model * 4));
+  ws.x.rs = ws.a.rs = rs ? 1 : 0;  // the wgmma tile's k order inside each k-tile
+  ws.y_slot = static_cast<float*>(take(slots * t.d_model * 4));
   return ws;
 }
 
@@ -482,7 +777,8 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   // >= 64 (one fp16), else 64 (measured, NOTES.md: hi + lo at M = 2048 went 125 -> 138 TFLOP/s on
   // gpt-oss-20b). NIBBLE_MOE_VARIANT 2 and 3 measured slower (114 / 112 TFLOP/s on 20b). The warp-specialized
   // tile: 128.
-  const bool split = mode == GemmActs::kSplit, wsp_tile = moe_wsp(mode, n_pairs, t.n_experts);
+  const bool split = mode == GemmActs::kSplit, wsr_tile = moe_wsr(mode),
+             wsp_tile = !wsr_tile && moe_wsp(mode, n_pairs, t.n_experts);
   int var = moe_variant();
   // (2 and 3 exist for hi + lo MXFP4 only; elsewhere the knob picks the tile height: 1 or 3 = 128 rows.)
   // One fp16: 128-row tiles from 64 rows per expert on average, as the wgmma tile (most experts then take one
@@ -493,17 +789,22 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   if (var < 0) var = n_pairs >= per_expert * static_cast<int64_t>(t.n_experts) ? 1 : 0;
   // wgmma: 128-row tiles from 64 rows per expert on average (the tile's wgmmas are as wide as its rows, so
   // an expert with fewer costs no extra MMAs, and most experts then take one tile instead of two).
-  const int bm = ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
+  const int bm = wsr_tile ? wsrm::kBM
+                 : ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
                  : wsp_tile ? wsp::kBM
                  : var == 1 || var == 3 ? 128
                                         : 64;
-  group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(ids, static_cast<int>(n_pairs), t.n_experts, bm,
-                                                                  ws.offsets, ws.slot_of, ws.pair_of, ws.tiles,
-                                                                  ws.n_tiles);
+  const int64_t slots = wsr_tile ? wsrm::slots_for(n_pairs, t.n_experts) : n_pairs;
+  group_kernel<<<1, 1024, 2 * t.n_experts * sizeof(int32_t), s>>>(
+      ids, static_cast<int>(n_pairs), t.n_experts, bm, wsr_tile ? wsrm::kAlign : 1, static_cast<int>(slots),
+      ws.offsets, ws.slot_of, ws.pair_of, ws.tiles, ws.n_tiles, ws.counts);
   CUDA_CHECK(cudaGetLastError());
-  // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k.
-  launch_gemm_activations(x, ws.pair_of, top_k, n_pairs, t.d_model, mode, ws.x, s);
-  if (wsp_tile) {
+  // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k (pad slots none).
+  launch_gemm_activations(x, ws.pair_of, top_k, slots, t.d_model, mode, ws.x, s);
+  if (wsr_tile) {
+    t.kind == WKind::kMXFP4 ? projections_wsr<WKind::kMXFP4>(t, weights, n_pairs, glu, limit, ws, s)
+                            : projections_wsr<WKind::kNVFP4>(t, weights, n_pairs, glu, limit, ws, s);
+  } else if (wsp_tile) {
     t.kind == WKind::kMXFP4 ? projections_wsp<WKind::kMXFP4>(t, weights, n_pairs, glu, limit, ws, s)
                             : projections_wsp<WKind::kNVFP4>(t, weights, n_pairs, glu, limit, ws, s);
   } else if (ws.x.wgmma) {  // sm_90a: hi + lo on 64-token tiles, one fp16 on 64 or 128 as above

@@ -22,6 +22,7 @@ bool moe_gemm_supports(const ExpertTable& t);
 // Device scratch for n_pairs = n_tokens * top_k pairs (sizes from moe_gemm_scratch_*).
 struct MoeGemmScratch {
   int32_t* offsets = nullptr;  // [n_experts + 1] first slot of each expert's rows
+  int32_t* counts = nullptr;   // [n_experts] each expert's rows (the sm_90a register-fragment tile's slots are padded)
   int32_t* slot_of = nullptr;  // [n_pairs] the row (slot) of pair p = t * top_k + i
   int32_t* pair_of = nullptr;  // [n_pairs] the pair in slot s
   int2* tiles = nullptr;       // [moe_gemm_max_tiles] (expert, first row) of each token tile
