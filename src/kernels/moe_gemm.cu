@@ -362,25 +362,38 @@ struct WspFc2Job {
 // usually partial), and only those N rows are copied.
 namespace wsrm {
 
-constexpr int kBM = 128;  // token rows per listed tile
+// Token rows per listed tile: 128, or 256 where the experts average >= 192 rows (kBigRows; projections_wsr):
+// a 256-token k-tile costs ~1.35x a 128-token one on the dense tile, not 2x (bench/NOTES.md, twenty-seventh session).
+constexpr int kMaxBM = 256;
+constexpr int kBigRows = 192;
 constexpr int kAlign = 8;  // an 8-row core-matrix group
-using Geo = wsr::Geo<kBM>;
 
 // The slots (rows) the grouping may use: each expert's rows rounded up to kAlign.
 inline int64_t slots_for(int64_t n_pairs, int n_experts) { return n_pairs + (kAlign - 1) * static_cast<int64_t>(n_experts); }
+// The token-tile height for n_pairs rows over n_experts: 256 from kBigRows per expert on average (NIBBLE_MOE_WSR_BM
+// = 128 or 256 forces one: measurements).
+inline int bm_for(int64_t n_pairs, int n_experts) {
+  static const int forced = [] {
+    const char* e = std::getenv("NIBBLE_MOE_WSR_BM");
+    return e ? std::atoi(e) : 0;
+  }();
+  if (forced == 128 || forced == 256) return forced;
+  return n_pairs >= kBigRows * static_cast<int64_t>(n_experts) ? 256 : 128;
+}
 
-// The narrowest wgmma N that covers `rows` tokens.
+// The narrowest wgmma N that covers `rows` tokens (N = 256 only for 256-row tiles).
 __host__ __device__ constexpr int n_of(int rows) {
-  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 96 ? 96 : rows <= 128 ? 128 : 256;
 }
 
 struct Item {
   const DevWeight* w;  // the expert's projection
   int n0;              // the item's first output (FC1: of d_expert; FC2: of d_model)
-  int row0, rows;      // its token tile: first slot (a multiple of kAlign) and rows (<= kBM)
+  int row0, rows;      // its token tile: first slot (a multiple of kAlign) and rows (<= BM)
   int e;               // the expert
 };
 
+template <int BM>
 struct Tiles {
   const int2* tiles;
   const int32_t* n_tiles;
@@ -388,7 +401,7 @@ struct Tiles {
   const int32_t* counts;
   __device__ Item item(const DevWeight* experts, int n_col, int cols_per_tile, int i) const {
     const int2 t = tiles[i / n_col];
-    return Item{experts + t.x, i % n_col * cols_per_tile, offsets[t.x] + t.y, min(kBM, counts[t.x] - t.y), t.x};
+    return Item{experts + t.x, i % n_col * cols_per_tile, offsets[t.x] + t.y, min(BM, counts[t.x] - t.y), t.x};
   }
 };
 
@@ -396,10 +409,11 @@ struct Tiles {
 // output n0 + 8 (c / 16) + c % 8, so a multiplier lane's rows a and a + 8 are one output's gate and up. The
 // result goes to act (fp32) or, out.hi set, straight into FC2's tiled fp16 activations at 2^10 (gpt-oss's
 // bounded GLU; projections_wsr says when).
-template <WKind K>
+template <WKind K, int BM>
 struct Fc1Job {
+  static constexpr int kBM = BM;
   ExpertTable tab;
-  Tiles tl;
+  Tiles<BM> tl;
   Glu glu;
   float limit;
   float* act;
@@ -445,10 +459,11 @@ struct Fc1Job {
 
 // FC2 + bias, times the pair's routing weight (wt, per token), into the pair's slot row: an item covers outputs
 // [n0, n0 + 128).
-template <WKind K>
+template <WKind K, int BM>
 struct Fc2Job {
+  static constexpr int kBM = BM;
   ExpertTable tab;
-  Tiles tl;
+  Tiles<BM> tl;
   const int32_t* pair_of;
   const float* weights;
   float* y_slot;
@@ -485,25 +500,25 @@ struct Fc2Job {
 // k-tile waits for its own previous wgmmas before decoding; two (kTwoSets): a set per k-tile parity, the
 // decode of k-tile kt overlapping the wgmmas of kt - 1 -- with narrow N the wgmmas are short and the decode's
 // latency is the larger part of a k-tile.
-template <WKind K, int N, bool kTwoSets>
-__device__ __forceinline__ void k_loop(const wsr::Pipe<kBM>& p, int& g, int n_kt, int k, int ra, int rb, int oa,
-                                       int ob, uint32_t (&f0)[4][4], uint32_t (&f1)[4][4], float (&acc)[kBM / 2]) {
-  constexpr int S = Geo::kStages;
+template <WKind K, int BM, int N, bool kTwoSets>
+__device__ __forceinline__ void k_loop(const wsr::Pipe<BM>& p, int& g, int n_kt, int k, int ra, int rb, int oa,
+                                       int ob, uint32_t (&f0)[4][4], uint32_t (&f1)[4][4], float (&acc)[BM / 2]) {
+  constexpr int S = wsr::Geo<BM>::kStages;
   const int lane = threadIdx.x & 31;
   if constexpr (kTwoSets) {
     for (int kt = 0; kt < n_kt; kt += 2) {
-      wsr::k_step<K, kBM, N>(p, g, kt, k, ra, rb, oa, ob, false, f0, acc);
+      wsr::k_step<K, BM, N>(p, g, kt, k, ra, rb, oa, ob, false, f0, acc);
       ws::wgmma_wait1();  // k-tile kt - 1's wgmmas are done: f1 and its stage are free
       if (kt > 0 && lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
       ++g;
       if (kt + 1 >= n_kt) break;  // (a break, not a condition around the odd step: gemm_fp4.cu says why)
-      wsr::k_step<K, kBM, N>(p, g, kt + 1, k, ra, rb, oa, ob, false, f1, acc);
+      wsr::k_step<K, BM, N>(p, g, kt + 1, k, ra, rb, oa, ob, false, f1, acc);
       ws::wgmma_wait1();
       if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);
       ++g;
     }
   } else {
-    for (int kt = 0; kt < n_kt; ++kt, ++g) wsr::k_step<K, kBM, N>(p, g, kt, k, ra, rb, oa, ob, true, f0, acc);
+    for (int kt = 0; kt < n_kt; ++kt, ++g) wsr::k_step<K, BM, N>(p, g, kt, k, ra, rb, oa, ob, true, f0, acc);
   }
 }
 #endif
@@ -514,12 +529,12 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) moe_wsr_kernel(const __grid_
                                                                    const uint8_t* __restrict__ a_tiles,
                                                                    const float* __restrict__ unscale, int64_t mp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int S = Geo::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  constexpr int BM = Job::kBM, S = wsr::Geo<BM>::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t bars[2 * S];
-  __shared__ float us[2][kBM], wt[2][kBM];  // the token scales and weights of the current and the previous item
+  __shared__ float us[2][BM], wt[2][BM];  // the token scales and weights of the current and the previous item
   const int tid = threadIdx.x, k = job.k(), n_kt = (k + ws::kBK - 1) / ws::kBK, n_items = job.n_items();
-  const wsr::Pipe<kBM> p{smem, bars, bars + S};
+  const wsr::Pipe<BM> p{smem, bars, bars + S};
   if (tid < S) {
     ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
     ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
@@ -550,7 +565,7 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) moe_wsr_kernel(const __grid_
   wsr::setmaxnreg_inc<232>();
   const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row_a = wgi * 64 + warp * 16 + (lane >> 2), row_b = row_a + 8;  // tile rows of the lane's fragments
-  float acc[kBM / 2];
+  float acc[BM / 2];
   uint32_t f0[4][4], f1[4][4];
   for (int i = blockIdx.x, it = 0, g = 0; i < n_items; i += gridDim.x, ++it) {
     const Item t = job.item(i);
@@ -562,17 +577,19 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) moe_wsr_kernel(const __grid_
     };
     const int off_a = scale_off(row_a), off_b = scale_off(row_b);
 #pragma unroll
-    for (int q = 0; q < kBM / 2; ++q) acc[q] = 0.0f;
+    for (int q = 0; q < BM / 2; ++q) acc[q] = 0.0f;
     switch (n_of(t.rows)) {
-      case 16: k_loop<K, 16, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
-      case 32: k_loop<K, 32, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
-      case 64: k_loop<K, 64, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
-      case 96: k_loop<K, 96, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
-      default: k_loop<K, 128, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc);
+      case 16: k_loop<K, BM, 16, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 32: k_loop<K, BM, 32, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 64: k_loop<K, BM, 64, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 96: k_loop<K, BM, 96, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      case 128: k_loop<K, BM, 128, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc); break;
+      default:
+        if constexpr (BM == 256) k_loop<K, BM, 256, kTwoSets>(p, g, n_kt, k, row_a, row_b, off_a, off_b, f0, f1, acc);
     }
     wg::wgmma_wait0();
     if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the item's last stage
-    if (tid < kBM) us[it & 1][tid] = u, wt[it & 1][tid] = w;
+    if (tid < BM) us[it & 1][tid] = u, wt[it & 1][tid] = w;
     wsr::multipliers_sync();
     job.store(acc, t, row_a, row_b, us[it & 1], wt[it & 1]);
   }
@@ -589,9 +606,10 @@ void launch(const Job& job, int64_t max_items, const GemmActivations& a, cudaStr
     return e && e[0] == '2';
   }();
   auto kernel = two_sets ? moe_wsr_kernel<K, Job, true> : moe_wsr_kernel<K, Job, false>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Geo::kSmem));
+  constexpr int smem = wsr::Geo<Job::kBM>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int blocks = static_cast<int>(std::min<int64_t>(max_items, gemm_sm_count()));
-  kernel<<<blocks, wsr::kThreads, Geo::kSmem, s>>>(job, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp);
+  kernel<<<blocks, wsr::kThreads, smem, s>>>(job, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -606,19 +624,19 @@ bool fc1_writes_fp16(const ExpertTable& t, Glu glu, float limit) {
          limit * (limit + 1.0f) * 1024.0f < 65504.0f && t.d_expert % wg::kBK == 0;
 }
 
-template <WKind K>
+template <WKind K, int BM>
 void projections_wsr(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
                      const MoeGemmScratch& ws, cudaStream_t s) {
   const int64_t max_tiles = moe_gemm_max_tiles(n_pairs, t.n_experts);
-  const wsrm::Tiles tl{ws.tiles, ws.n_tiles, ws.offsets, ws.counts};
+  const wsrm::Tiles<BM> tl{ws.tiles, ws.n_tiles, ws.offsets, ws.counts};
   const bool direct = fc1_writes_fp16(t, glu, limit);
-  wsrm::launch<K>(wsrm::Fc1Job<K>{t, tl, glu, limit, ws.act, direct ? ws.a : GemmActivations{}},
+  wsrm::launch<K>(wsrm::Fc1Job<K, BM>{t, tl, glu, limit, ws.act, direct ? ws.a : GemmActivations{}},
                   max_tiles * ceil_div(t.d_expert, ws::kBN / 2), ws.x, s);
   if (!direct) {
     launch_gemm_activations(ws.act, nullptr, 1, wsrm::slots_for(n_pairs, t.n_experts), t.d_expert, GemmActs::kFp16,
                             ws.a, s);
   }
-  wsrm::launch<K>(wsrm::Fc2Job<K>{t, tl, ws.pair_of, weights, ws.y_slot}, max_tiles * ceil_div(t.d_model, ws::kBN),
+  wsrm::launch<K>(wsrm::Fc2Job<K, BM>{t, tl, ws.pair_of, weights, ws.y_slot}, max_tiles * ceil_div(t.d_model, ws::kBN),
                   ws.a, s);
 }
 
@@ -709,16 +727,18 @@ bool moe_wsp(GemmActs mode, int64_t n_pairs, int n_experts) {
 }
 int64_t tiled_rows(int64_t n_pairs) { return n_pairs + wsp::kBM - 1; }
 
-// Whether the projections run on the sm_90a register-fragment tile (wsrm): with NIBBLE_MOE_WSR=1 (2: two
-// fragment sets), one fp16, on an sm_90a GPU. Off by default: on the H200 it ran gpt-oss's MoE layers no faster
-// than the wgmma block tiles (20b pp2048: FC1 984 vs 930 us, FC2 455 vs 513; 120b FC1 1413 vs 1262, FC2 662 vs
-// 676; two sets slower still; bench/NOTES.md, twenty-eighth session).
-bool moe_wsr(GemmActs mode) {
-  static const bool on = [] {
+// Whether the projections run on the sm_90a register-fragment tile (wsrm): one fp16 on an sm_90a GPU, by default
+// where the experts average >= 192 rows (its 256-token tiles); NIBBLE_MOE_WSR=0 never, 1 always (2: always, two
+// fragment sets), unless NIBBLE_MOE_VARIANT picks a block tile. H200, MXFP4 gpt-oss layers, one call (bench/NOTES.md,
+// twenty-eighth session): 256-token tiles 12-20 % faster than the wgmma block tiles (20b M = 2048 1477 -> 1304 us,
+// 8192 5155 -> 4104; 120b 8192 5634 -> 4921), 128-token tiles up to 42 % slower (120b M = 512 and 2048).
+bool moe_wsr(GemmActs mode, int64_t n_pairs, int n_experts) {
+  static const int setting = [] {
     const char* e = std::getenv("NIBBLE_MOE_WSR");
-    return e && (e[0] == '1' || e[0] == '2');
+    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : -1;
   }();
-  return on && mode == GemmActs::kFp16 && gemm_wgmma() && moe_variant() < 0;
+  if (setting == 0 || mode != GemmActs::kFp16 || !gemm_wgmma() || moe_variant() >= 0) return false;
+  return setting > 0 || n_pairs >= wsrm::kBigRows * static_cast<int64_t>(n_experts);
 }
 
 }  // namespace
@@ -727,11 +747,11 @@ bool moe_wsr(GemmActs mode) {
 template <class Take>
 MoeGemmScratch moe_scratch_layout(const ExpertTable& t, int64_t n_pairs, GemmActs mode, Take&& take) {
   MoeGemmScratch ws;
-  const bool rs = moe_wsr(mode), tiled = rs || moe_wsp(mode, n_pairs, t.n_experts);
+  const bool rs = moe_wsr(mode, n_pairs, t.n_experts), tiled = rs || moe_wsp(mode, n_pairs, t.n_experts);
   // Slots: one per pair, or with the register-fragment tile each expert's rounded up to whole 8-row groups;
   // the tiled activations hold a token tile more (a tile's copy may start at the last slot).
   const int64_t slots = rs ? wsrm::slots_for(n_pairs, t.n_experts) : n_pairs;
-  const int64_t rows = rs ? slots + wsrm::kBM : tiled ? tiled_rows(n_pairs) : n_pairs;
+  const int64_t rows = rs ? slots + wsrm::kMaxBM : tiled ? tiled_rows(n_pairs) : n_pairs;
   ws.tiles = static_cast<int2*>(take(moe_gemm_max_tiles(n_pairs, t.n_experts) * 8));
   ws.offsets = static_cast<int32_t*>(take((t.n_experts + 1) * 4));
   ws.counts = static_cast<int32_t*>(take(t.n_experts * 4));
@@ -777,7 +797,7 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   // >= 64 (one fp16), else 64 (measured, NOTES.md: hi + lo at M = 2048 went 125 -> 138 TFLOP/s on
   // gpt-oss-20b). NIBBLE_MOE_VARIANT 2 and 3 measured slower (114 / 112 TFLOP/s on 20b). The warp-specialized
   // tile: 128.
-  const bool split = mode == GemmActs::kSplit, wsr_tile = moe_wsr(mode),
+  const bool split = mode == GemmActs::kSplit, wsr_tile = moe_wsr(mode, n_pairs, t.n_experts),
              wsp_tile = !wsr_tile && moe_wsp(mode, n_pairs, t.n_experts);
   int var = moe_variant();
   // (2 and 3 exist for hi + lo MXFP4 only; elsewhere the knob picks the tile height: 1 or 3 = 128 rows.)
@@ -789,7 +809,7 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   if (var < 0) var = n_pairs >= per_expert * static_cast<int64_t>(t.n_experts) ? 1 : 0;
   // wgmma: 128-row tiles from 64 rows per expert on average (the tile's wgmmas are as wide as its rows, so
   // an expert with fewer costs no extra MMAs, and most experts then take one tile instead of two).
-  const int bm = wsr_tile ? wsrm::kBM
+  const int bm = wsr_tile ? wsrm::bm_for(n_pairs, t.n_experts)
                  : ws.x.wgmma ? (!split && n_pairs >= 64 * static_cast<int64_t>(t.n_experts) ? 128 : 64)
                  : wsp_tile ? wsp::kBM
                  : var == 1 || var == 3 ? 128
@@ -802,8 +822,14 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k (pad slots none).
   launch_gemm_activations(x, ws.pair_of, top_k, slots, t.d_model, mode, ws.x, s);
   if (wsr_tile) {
-    t.kind == WKind::kMXFP4 ? projections_wsr<WKind::kMXFP4>(t, weights, n_pairs, glu, limit, ws, s)
-                            : projections_wsr<WKind::kNVFP4>(t, weights, n_pairs, glu, limit, ws, s);
+    const bool mx = t.kind == WKind::kMXFP4;
+    if (bm == 256) {
+      mx ? projections_wsr<WKind::kMXFP4, 256>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wsr<WKind::kNVFP4, 256>(t, weights, n_pairs, glu, limit, ws, s);
+    } else {
+      mx ? projections_wsr<WKind::kMXFP4, 128>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wsr<WKind::kNVFP4, 128>(t, weights, n_pairs, glu, limit, ws, s);
+    }
   } else if (wsp_tile) {
     t.kind == WKind::kMXFP4 ? projections_wsp<WKind::kMXFP4>(t, weights, n_pairs, glu, limit, ws, s)
                             : projections_wsp<WKind::kNVFP4>(t, weights, n_pairs, glu, limit, ws, s);

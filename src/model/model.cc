@@ -60,8 +60,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // NIBBLE_FUSED_HEAD (::fused_head) and NIBBLE_O_STAGED (::stage_o_input). A test switch: NIBBLE_STREAM_SMS,
   // a positive SM count (the one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
   // launchers: NIBBLE_WSP_STAGES (2: the portable warp-specialized tile at GB10's depth),
-  // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile), NIBBLE_MOE_WSR (1: the sm_90a MoE GEMMs on the
-  // register-fragment tile instead of the wgmma block tiles; 2: that tile with two fragment sets), NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
+  // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile), NIBBLE_MOE_WSR (the sm_90a MoE GEMMs' register-fragment
+  // tile: 0 never, 1 always, 2 always with two fragment sets; unset: where experts average >= 192 rows),
+  // NIBBLE_MOE_WSR_BM (128 or 256: its token-tile height), NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
   // gemm_fp4.cuh gemm_ws_rs) and NIBBLE_WS_BM (128 or 256: its tokens per tile). (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
@@ -86,6 +87,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   }
   if (const char* v = std::getenv("NIBBLE_WS_RS"); v && (std::string(v).size() != 1 || v[0] < '0' || v[0] > '2'))
     return error(std::string("NIBBLE_WS_RS=") + v + ": expected 0, 1 or 2");
+  if (const char* v = std::getenv("NIBBLE_MOE_WSR_BM"); v && std::string(v) != "128" && std::string(v) != "256")
+    return error(std::string("NIBBLE_MOE_WSR_BM=") + v + ": expected 128 or 256");
   if (const char* v = std::getenv("NIBBLE_WS_BM"); v && std::string(v) != "128" && std::string(v) != "256")
     return error(std::string("NIBBLE_WS_BM=") + v + ": expected 128 or 256");
   if (const char* v = std::getenv("NIBBLE_WSP_STAGES"); v && std::string(v) != "2")
