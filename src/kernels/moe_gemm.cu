@@ -7,7 +7,9 @@
 // (launch_moe_gemm): with 32-128 experts a prefill chunk gives each expert tens to hundreds of rows; empty
 // m16 tiles cost no MMAs (gemm_fp4_tile.cuh), and 128-row tiles read a third fewer shared-memory bytes per
 // MMA (bench/NOTES.md). Off sm_90a, one fp16 from 128 rows per expert: the portable warp-specialized tile
-// (gemm_fp4_wsp.cuh) over (token tile, weight tile) items (moe_wsp).
+// (gemm_fp4_wsp.cuh) over (token tile, weight tile) items (moe_wsp). On sm_90a, one fp16 from 192 rows per
+// expert: the register-fragment tile (gemm_fp4_wsr.cuh) over such items with 256-token tiles and 8-row-aligned
+// expert slots (wsrm, moe_wsr).
 #include "kernels/moe_gemm.cuh"
 
 #include "backend/cuda/cuda_check.h"

@@ -1,7 +1,7 @@
 // MoE experts for many tokens (prefill) as grouped GEMMs on the tensor cores: the (token, choice) pairs are
 // grouped by expert on the device (counts, offsets, a permutation; no padding), then one launch per
 // projection runs every (expert, token tile, weight tile) of gemm_fp4_tile.cuh (or gemm_fp4_wgmma.cuh,
-// gemm_fp4_wsp.cuh): FC1 with its bias and the GLU in the epilogue, FC2 with its bias and the routing weight,
+// gemm_fp4_wsp.cuh, gemm_fp4_wsr.cuh): FC1 with its bias and the GLU in the epilogue, FC2 with its bias and the routing weight,
 // and a last kernel sums each token's top_k rows in choice order (deterministic; no float atomics). Decode
 // sizes keep gemv.cuh's kernels.
 #pragma once
