@@ -242,6 +242,14 @@ __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* 
   reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
 }
 
+// The FC1 weight row of tile row c for outputs from n0 (the portable and the sm_90a warp-specialized tiles): the
+// gate (c % 16 < 8) or up row of output n0 + 8 (c / 16) + c % 8, whichever layout the checkpoint uses; -1 past d.
+__device__ __forceinline__ int fc1_tile_row(int d, Glu glu, int n0, int c) {
+  const int j = n0 + 8 * (c >> 4) + (c & 7);
+  const bool up = (c & 15) >= 8, interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+  return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
+}
+
 // The two projections on the portable warp-specialized tile (gemm_fp4_wsp.cuh; one fp16, off sm_90a): items
 // are (listed token tile, weight tile) pairs, token tile i / n_col, weight tile i % n_col; a token tile's
 // rows are its expert's slots from any row (the tiled activations' copy handles the alignment), and the
@@ -273,10 +281,7 @@ struct WspFc1Job {
   __device__ int n_items() const { return *tl.n_tiles * n_col(); }
   __device__ wsp::Item item(int i) const { return tl.item(tab.fc1, n_col(), wsp::kBN / 2, i); }
   __device__ int weight_row(const wsp::Item& t, int c) const {
-    const int d = tab.d_expert, j = t.n0 + 8 * (c >> 4) + (c & 7);
-    const bool up = (c & 15) >= 8,
-               interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
-    return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
+    return fc1_tile_row(tab.d_expert, glu, t.n0, c);
   }
   __device__ void store(const wsp::Acc& acc, const wsp::Item& t, const float* us) const {
     const int d = tab.d_expert;
@@ -360,11 +365,11 @@ struct WspFc2Job {
 // their A fragments and issue wgmma with the activations from shared memory. A token tile is one bulk copy of
 // whole 8-row core-matrix groups of the tiled activations, so every expert's first slot is a multiple of 8
 // (group_kernel's align; the pad slots are never converted, multiplied into outputs that are kept, or read);
-// wgmma's N is the narrowest of 16, 32, 64, 96, 128 that covers the tile's rows (an expert's last tile is
-// usually partial), and only those N rows are copied.
+// wgmma's N is the narrowest of 16, 32, 64, 96, 128 (and 256 on 256-row tiles) that covers the tile's rows (an
+// expert's last tile is usually partial), and only those N rows are copied.
 namespace wsrm {
 
-// Token rows per listed tile: 128, or 256 where the experts average >= 192 rows (kBigRows; projections_wsr):
+// Token rows per listed tile: 128, or 256 where the experts average >= kBigRows rows (bm_for):
 // a 256-token k-tile costs ~1.35x a 128-token one on the dense tile, not 2x (bench/NOTES.md, twenty-seventh session).
 constexpr int kMaxBM = 256;
 constexpr int kBigRows = 192;
@@ -425,10 +430,7 @@ struct Fc1Job {
   __device__ int n_items() const { return *tl.n_tiles * n_col(); }
   __device__ Item item(int i) const { return tl.item(tab.fc1, n_col(), ws::kBN / 2, i); }
   __device__ int weight_row(const Item& t, int c) const {
-    const int d = tab.d_expert, j = t.n0 + 8 * (c >> 4) + (c & 7);
-    const bool up = (c & 15) >= 8,
-               interleaved = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
-    return j >= d ? -1 : interleaved ? 2 * j + up : up ? d + j : j;
+    return fc1_tile_row(tab.d_expert, glu, t.n0, c);
   }
   __device__ float token_weight(const Item&, int) const { return 1.0f; }
   // acc: D [the lane's rows ra (gate), rb (up)][tokens 8 jj + 2 (lane % 4) + i]; us: token scales.
