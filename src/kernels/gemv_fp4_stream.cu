@@ -593,6 +593,12 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y, const StagedRow staged) {
   static_assert(!(kStaged && (kSplit || kOneRound)), "staged x: one fp16 per activation, rounds of units");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  if constexpr (kOneRound) {  // never launched there (one_round), so not compiled
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ uint4 planes[];
   const bool stamped = stamps_linear(w);
   if (stamped) stamp(kStampLinear, kAtEntry);
@@ -805,6 +811,12 @@ __device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormH
 template <WKind K, int NC, bool kOneRound>
 __global__ void __launch_bounds__(kOneRound ? kOneRoundWarps * 32 : kBlockThreads, 1)
     stream_qkv_kernel(const __grid_constant__ DevWeight w, const __grid_constant__ QkvHeadArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+  if constexpr (kOneRound) {  // never launched there (one_round), so not compiled
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ uint4 planes[];
   stamp(kStampQkv, kAtEntry);
   __shared__ StageShared ss;
@@ -1248,6 +1260,7 @@ bool aligned(const DevWeight& w) {
 
 struct Device {
   int sms = 0, warps = kWarps;  // warps per block, as kBlockThreads for the device's arch
+  bool sm12x = false;           // sm_12x: no one-round kernels are built (stream_linear_kernel)
 };
 const Device& device() {
   static const Device d = [] {
@@ -1257,6 +1270,7 @@ const Device& device() {
     CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     r.warps = major >= 12 ? 8 : kWarpsSm90;
+    r.sm12x = major >= 12;
     // NIBBLE_STREAM_SMS=n (tests): size the grids for at most n SMs, so that a warp walks many units (the
     // deferred finishes' flush every 32 units runs; Model::load checks the value).
     if (const char* e = std::getenv("NIBBLE_STREAM_SMS"); e && std::atoi(e) > 0) r.sms = std::min(r.sms, std::atoi(e));
@@ -1297,12 +1311,13 @@ void with_chunks(int k, bool split, F&& f) {
 // One round: where the pairs need a second round of Device::warps warps per SM (gpt-oss's attention head:
 // 2560 pairs on 132 x 16 warps, the last 448 a second round of ~3 us) but fit one of up to kOneRoundWarps,
 // blocks of ceil(pairs / SMs) warps take one unit each (H200 tg128 +3 %, NOTES.md fifteenth session).
-// Measured on sm_90 only; NIBBLE_STREAM_ONE_ROUND=0 keeps the rounds.
+// Measured on sm_90 only; NIBBLE_STREAM_ONE_ROUND=0 keeps the rounds. sm_12x keeps them always (its 8-warp blocks;
+// the one-round kernels are not even compiled there: ptxas spilled 12-28 bytes in them for sm_121a).
 bool one_round(int pairs, int max_warps, int& warps) {
   static const bool on = knob_on("NIBBLE_STREAM_ONE_ROUND");
   const Device& d = device();
   warps = ceil_div(pairs, std::max(1, d.sms));
-  return on && d.warps == kWarpsSm90 && warps > d.warps && warps <= max_warps;
+  return on && !d.sm12x && d.warps == kWarpsSm90 && warps > d.warps && warps <= max_warps;
 }
 
 template <WKind K>
