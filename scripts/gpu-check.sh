@@ -8,6 +8,8 @@
 #   NIBBLE_SKIP_BENCH=1 skips the benchmarks, NIBBLE_BENCHES="kernel tg pp gemm attn" picks them (below);
 #   NIBBLE_CTEST_FILTER=regex runs only matching tests;
 #   NIBBLE_BUILD_DIR (default build-gpu); NIBBLE_TARGETS="a b" builds only those targets (default all)
+#   NIBBLE_ONE_FILE=1 folds every file it left under $OUT into $OUT/all.md at the end (the device tool brings
+#   back only a few files; keep the call's own stdout outside $OUT)
 # Before/after comparisons of two source trees in one call: scripts/gpu-ab.sh.
 #   --goldens  also re-make the committed goldens with HF transformers / tiktoken / tokenizers and
 #              leave them in $OUT/goldens.tar.gz
@@ -198,3 +200,11 @@ echo
 echo "| step | result |"
 echo "|---|---|"
 for k in "${!result[@]}"; do echo "| $k | ${result[$k]} |"; done
+
+if [ "${NIBBLE_ONE_FILE:-0}" = 1 ]; then
+  for f in "$OUT"/*; do
+    [ -f "$f" ] && [ "${f##*/}" != all.md ] && { echo "=== ${f##*/}"; cat "$f"; echo; }
+  done > /tmp/nibble_all.md
+  find "$OUT" -mindepth 1 -delete
+  mv /tmp/nibble_all.md "$OUT/all.md"
+fi
