@@ -77,6 +77,13 @@ constexpr int kOneRoundWarps = 24;
 // The linear kernel's (its staging and the first unit's weights are live together: 85 registers spilled).
 constexpr int kOneRoundWarpsLinear = 20;
 constexpr int kMaxWarps = kWarps > kOneRoundWarps ? kWarps : kOneRoundWarps;
+// sm_12x never launches the one-round kernels (one_round: it keeps its 8-warp rounds), so their bodies are not
+// built there (ptxas spilled 12-28 bytes in them for sm_121a).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr bool kOneRoundBuilt = false;
+#else
+constexpr bool kOneRoundBuilt = true;
+#endif
 constexpr int kMaxRows = 8;  // staged activation rows (FC2: one per choice)
 constexpr int kMaxSmem = 96 * 1024;
 
@@ -593,12 +600,10 @@ __global__ void __launch_bounds__(kOneRound ? kOneRoundWarpsLinear * 32 : kBlock
     stream_linear_kernel(const __grid_constant__ DevWeight w, const float* __restrict__ x,
                          const float* __restrict__ bias, float* __restrict__ y, const StagedRow staged) {
   static_assert(!(kStaged && (kSplit || kOneRound)), "staged x: one fp16 per activation, rounds of units");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-  if constexpr (kOneRound) {  // never launched there (one_round), so not compiled
+  if constexpr (kOneRound && !kOneRoundBuilt) {  // never launched there (one_round)
     __trap();
     return;
   }
-#endif
   extern __shared__ uint4 planes[];
   const bool stamped = stamps_linear(w);
   if (stamped) stamp(kStampLinear, kAtEntry);
@@ -811,12 +816,10 @@ __device__ void stage_norm(const QkvHeadArgs& a, int k, const float (&nw)[kNormH
 template <WKind K, int NC, bool kOneRound>
 __global__ void __launch_bounds__(kOneRound ? kOneRoundWarps * 32 : kBlockThreads, 1)
     stream_qkv_kernel(const __grid_constant__ DevWeight w, const __grid_constant__ QkvHeadArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-  if constexpr (kOneRound) {  // never launched there (one_round), so not compiled
+  if constexpr (kOneRound && !kOneRoundBuilt) {  // never launched there (one_round)
     __trap();
     return;
   }
-#endif
   extern __shared__ uint4 planes[];
   stamp(kStampQkv, kAtEntry);
   __shared__ StageShared ss;
@@ -1260,7 +1263,7 @@ bool aligned(const DevWeight& w) {
 
 struct Device {
   int sms = 0, warps = kWarps;  // warps per block, as kBlockThreads for the device's arch
-  bool sm12x = false;           // sm_12x: no one-round kernels are built (stream_linear_kernel)
+  bool sm12x = false;           // sm_12x: its one-round kernels are not built (kOneRoundBuilt)
 };
 const Device& device() {
   static const Device d = [] {
@@ -1311,8 +1314,7 @@ void with_chunks(int k, bool split, F&& f) {
 // One round: where the pairs need a second round of Device::warps warps per SM (gpt-oss's attention head:
 // 2560 pairs on 132 x 16 warps, the last 448 a second round of ~3 us) but fit one of up to kOneRoundWarps,
 // blocks of ceil(pairs / SMs) warps take one unit each (H200 tg128 +3 %, NOTES.md fifteenth session).
-// Measured on sm_90 only; NIBBLE_STREAM_ONE_ROUND=0 keeps the rounds. sm_12x keeps them always (its 8-warp blocks;
-// the one-round kernels are not even compiled there: ptxas spilled 12-28 bytes in them for sm_121a).
+// Measured on sm_90 only; NIBBLE_STREAM_ONE_ROUND=0 keeps the rounds. sm_12x keeps them always (kOneRoundBuilt).
 bool one_round(int pairs, int max_warps, int& warps) {
   static const bool on = knob_on("NIBBLE_STREAM_ONE_ROUND");
   const Device& d = device();
