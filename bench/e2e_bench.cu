@@ -9,7 +9,9 @@
 // (Model::forward, last token's logits to the host) in chunks of --chunk tokens (default: the whole prompt
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
 // Usage: nibble_e2e_bench [--pp 512,2048,8192 | --no-pp] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
-//                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--depth N] [--sync-decode]
+//                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--pp-dense-format F] [--depth N] [--sync-decode]
+//   --pp-dense-format F: the prefill runs at --dense-format F (default keep: the checkpoint's own; nvfp4 makes every
+//   linear of a BF16 config FP4, e.g. configs/Llama-3.1-8B through the FP4 prefill GEMMs)
 //   --depth N: the decode runs after an N-token prompt (one prefill step) instead of one token: tg128 at
 //   context depth N (llama-benchy's "tg128 @ dN")
 //        CONFIG_DIR...
@@ -80,6 +82,7 @@ struct Args {
   bool sync_decode = false;
   bool host_times = false;  // NIBBLE_BENCH_HOST_TIMES=1
   std::vector<DenseFormat> dense = {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4};
+  DenseFormat pp_dense = DenseFormat::kKeep;
   std::vector<std::string> dirs;
 };
 
@@ -136,6 +139,15 @@ Args parse(int argc, char** argv) {
         }
         p = e + 1;
       }
+    } else if (s == "--pp-dense-format" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      bool found = false;
+      for (DenseFormat f : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4})
+        if (v == dense_format_name(f)) a.pp_dense = f, found = true;
+      if (!found) {
+        std::fprintf(stderr, "nibble_e2e_bench: error: --pp-dense-format %s: expected keep, fp8, mxfp4 or nvfp4\n", v.c_str());
+        std::exit(2);
+      }
     } else if (s == "--depth" && i + 1 < argc) {
       char* end = nullptr;
       const long v = std::strtol(argv[++i], &end, 10);
@@ -171,14 +183,19 @@ double prefill_seconds(Model& model, KvCache& cache, const std::vector<int32_t>&
 }
 
 void run_prefill(const Args& args) {
-  std::printf("\nPrefill, batch 1, %s, dense format keep, default KV cache (BF16), GEMM activations %s\n\n",
+  std::printf("\nPrefill, batch 1, %s, dense format %s, default KV cache (BF16), GEMM activations %s%s\n\n",
               args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step",
-              args.gemm_acts < 0 ? "default" : args.gemm_acts ? "one fp16" : "hi + lo");
+              dense_format_name(args.pp_dense), args.gemm_acts < 0 ? "default" : args.gemm_acts ? "one fp16" : "hi + lo",
+              [] {
+                const char* e = std::getenv("NIBBLE_GEMM_FP8");
+                return e && std::string(e) == "1" ? " (NIBBLE_GEMM_FP8=1: FP8 on the sm_90a dense FP4 GEMMs)" : "";
+              }());
   std::printf("| model | prompt | steps | s (median of 3) | pp tok/s |\n|---|---|---|---|---|\n");
   for (const std::string& dir : args.dirs) {
     ModelOptions o;
     o.device = Device::kCuda;
     o.dummy_weights = true;
+    o.dense_format = args.pp_dense;
     if (args.gemm_acts >= 0) o.gemm_fp16_activations = args.gemm_acts == 1;
     auto m = Model::load(dir, o);
     if (!m.ok()) {

@@ -20,6 +20,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "graph_time.h"  // (bench/)
+#include "kernels/gemm_fp4.cuh"
 
 namespace nb {
 namespace {
@@ -146,10 +147,11 @@ class LtBf16 {
   size_t cap_ = 0;
 };
 
-std::unique_ptr<CudaBackend> backend(int min_tokens, bool fp16) {
+std::unique_ptr<CudaBackend> backend(int min_tokens, bool fp16, bool fp8 = false) {
   CudaBackendOptions o;
   o.gemm_min_tokens = o.moe_gemm_min_tokens = min_tokens;
   o.gemm_fp16_activations = fp16;
+  o.gemm_fp8_activations = fp8;
   if (const char* e = std::getenv("NIBBLE_GEMM_WS")) o.gemm_ws = std::string(e) == "0" ? 0 : 1;  // A/B runs
   auto be = CudaBackend::create(o);
   NB_CHECK(be.ok(), be.status().message());
@@ -222,6 +224,31 @@ int run(const std::vector<int64_t>& ms) {
                     weight_format_name(f), shape_string({p.n, p.k}).c_str(), static_cast<long long>(m), a,
                     flops / a * 1e-6, b, flops / b * 1e-6, c, flops / c * 1e-6, 100 * c / a, 100 * c / b);
         std::fflush(stdout);
+      }
+    }
+  }
+
+  // The W4A8 tile (CudaBackendOptions::gemm_fp8_activations: E4M3 activations on the FP8 tensor cores; opt-in,
+  // sm_90a only), its E4M3 conversion included, against the same cuBLASLt BF16 GEMM.
+  if (cuda::gemm_fp8_supported()) {
+    auto fp8 = backend(1, true, true);
+    cudaStream_t s8 = static_cast<cudaStream_t>(fp8->stream());
+    std::printf("\n## Dense FP4 GEMM with FP8 activations (sm_90a W4A8 tile, opt-in: NIBBLE_GEMM_FP8=1)\n\n");
+    std::printf("| projection | format | [n, k] | M | fp8 us | TFLOP/s | cuBLASLt BF16 us | TFLOP/s | fp8 / BF16 |\n"
+                "|---|---|---|---|---|---|---|---|---|\n");
+    for (WeightFormat f : {WeightFormat::kMXFP4, WeightFormat::kNVFP4}) {
+      for (const Proj& p : projs) {
+        const Weight w = fp8->random_weight(f, p.n, p.k, 0.02f, seed++, p.name);
+        for (int64_t m : ms) {
+          const double flops = 2.0 * m * p.n * p.k;
+          Tensor x8 = fp8->random_floats({m, p.k}, 0.0f, 1.0f, seed++);
+          const double a = time_us(s8, calls_for(flops), [&](int) { fp8->linear(x8, w, nullptr); });
+          const double c = lt.time(m, p.n, p.k);
+          std::printf("| %s | %s | %s | %lld | %.1f | %.0f | %.1f | %.0f | %.0f%% |\n", p.name, weight_format_name(f),
+                      shape_string({p.n, p.k}).c_str(), static_cast<long long>(m), a, flops / a * 1e-6, c,
+                      flops / c * 1e-6, 100 * c / a);
+          std::fflush(stdout);
+        }
       }
     }
   }

@@ -13,6 +13,7 @@
 #include "kernels/gemm_fp4_ws.cuh"
 #include "kernels/gemm_fp4_wsp.cuh"
 #include "kernels/gemm_fp4_wsr.cuh"
+#include "kernels/gemm_fp4_wsr8.cuh"
 
 namespace nb::cuda {
 namespace {
@@ -188,6 +189,57 @@ __global__ void __launch_bounds__(kPrepWarps * 32) wgmma_activations_kernel(cons
   }
 }
 
+// The FP8 tile's activations (GemmActivations::fp8): one warp per row; lane l writes word l of each 128-wide
+// k-tile (stored bytes 4 l .. 4 l + 3: 4 consecutive physical elements, wsr8::phys8) at its core-matrix place,
+// zeros past k. The row is scaled by 2^s with max |x| * 2^s in [2^7, 2^8) and rounded to E4M3 (satfinite).
+// NT: k-tiles held in registers between the max and the stores (NT * 128 >= padded k), or 0: the row read twice.
+template <int NT>
+__global__ void __launch_bounds__(kPrepWarps * 32) fp8_activations_kernel(const float* __restrict__ x,
+                                                                          const int32_t* __restrict__ gather,
+                                                                          int gather_div, int rows, int k, int64_t mp,
+                                                                          uint32_t* __restrict__ out,
+                                                                          float* __restrict__ unscale) {
+  const int r = blockIdx.x * kPrepWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= rows || (gather && gather[r] < 0)) return;  // (gather -1: a MoE pad slot, moe_gemm.cu)
+  const float* row = x + static_cast<int64_t>(gather ? gather[r] / gather_div : r) * k;
+  const int n_kt = wsr8::padded_k(k) / wsr8::kBK, p0 = wsr8::phys8(4 * lane);
+  auto load = [&](int t) {
+    const int j = t * wsr8::kBK + p0;  // (k % 32 == 0: a lane's 4 elements are all in k or all past it)
+    return j < k ? __ldg(reinterpret_cast<const float4*>(row + j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  };
+  auto amax = [](float4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); };
+  float4 v[NT > 0 ? NT : 1];
+  float mx = 0.0f;
+  if constexpr (NT > 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      v[t] = t < n_kt ? load(t) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      mx = fmaxf(mx, amax(v[t]));
+    }
+  } else {
+    for (int t = 0; t < n_kt; ++t) mx = fmaxf(mx, amax(load(t)));
+  }
+  mx = warp_max(mx);
+  int e = 0;
+  if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
+  const int sh = max(-120, min(120, 8 - e));
+  if (lane == 0) unscale[r] = pow2f(-sh);
+  const float pre = pow2f(sh);
+  auto store = [&](int t, float4 a) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * pre, a.y * pre), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a.z * pre, a.w * pre), __NV_SATFINITE, __NV_E4M3);
+    out[ws::chunk_of(r, t, lane >> 2, mp) * 4 + (lane & 3)] = lo | (static_cast<uint32_t>(hi) << 16);
+  };
+  if constexpr (NT > 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < n_kt) store(t, v[t]);
+    }
+  } else {
+    for (int t = 0; t < n_kt; ++t) store(t, load(t));
+  }
+}
+
 // The sm_90a tile (gemm_fp4_wgmma.cuh): block x over 128 weight rows, y over BM tokens, two warpgroups.
 template <WKind K, int BM, bool kSplit>
 __global__ void __launch_bounds__(wg::kThreads, wg::Tile<BM, kSplit>::kMinBlocks) gemm_fp4_wgmma_kernel(const __grid_constant__ DevWeight w,
@@ -324,6 +376,63 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) gemm_fp4_wsr_kernel(const __
 #endif
 }
 
+// The FP8 register-fragment tile (gemm_fp4_wsr8.cuh): gemm_fp4_wsr_kernel's schedule (one fragment set) with
+// 128-wide k-tiles of E4M3 activations (GemmActivations::fp8) and weights decoded to E4M3.
+template <WKind K, int BM>
+__global__ void __launch_bounds__(wsr8::kThreads, 1) gemm_fp4_wsr8_kernel(const __grid_constant__ DevWeight w,
+                                                                          const uint8_t* __restrict__ a_tiles,
+                                                                          const float* __restrict__ unscale, int64_t mp,
+                                                                          int m, const float* __restrict__ bias,
+                                                                          float* __restrict__ y) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int S = wsr8::Geo<BM>::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[2][BM];  // the token scales of the current and the previous tile
+  const int tid = threadIdx.x;
+  const wsr8::Pipe<BM> p{smem, bars, bars + S};
+  const int col_tiles = (w.n + ws::kBN - 1) / ws::kBN;
+  const wsr::Sched<BM> sc{{col_tiles, col_tiles * ((m + BM - 1) / BM), (w.k + wsr8::kBK - 1) / wsr8::kBK}};
+  if (tid < S) {
+    ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
+    ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
+  }
+  ws::mbar_fence_init();
+  __syncthreads();
+  if (tid >= 256) {
+    wsr::setmaxnreg_dec<40>();
+    return wsr8::producer<K, BM>(p, sc, w, a_tiles, mp);
+  }
+  wsr::setmaxnreg_inc<232>();
+  const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  wsr8::LaneRows lr;
+  lr.row_a = wgi * 64 + warp * 16 + (lane >> 2), lr.row_b = lr.row_a + 8;
+  float acc[BM / 2];
+  uint32_t frag[4][4];
+  for (int it = 0, g = 0; it < sc.my_tiles(); ++it) {
+    const int tile = sc.tile(it), n0 = sc.n0(tile), m0 = sc.m0(tile);
+    const float u = tid < BM && m0 + tid < m ? unscale[m0 + tid] : 0.0f;  // (stored for the epilogue)
+    const gemm::BRow ba = gemm::brow_of(w, n0 + lr.row_a < w.n ? n0 + lr.row_a : -1, w.k, kBlk);
+    const gemm::BRow bb = gemm::brow_of(w, n0 + lr.row_b < w.n ? n0 + lr.row_b : -1, w.k, kBlk);
+    lr.off_a = ba.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(ba.scales) & 3) : 0;
+    lr.off_b = bb.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(bb.scales) & 3) : 0;
+    lr.c_a = wsr8::row_fold<K>(ba.scales, w.k / kBlk, lane & 3);
+    lr.c_b = wsr8::row_fold<K>(bb.scales, w.k / kBlk, lane & 3);
+    for (int kt = 0; kt < sc.n_kt; ++kt, ++g) wsr8::k_step<K, BM>(p, g, kt, w.k, lr, frag, acc);
+    wg::wgmma_wait0();
+    if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the tile's last stage
+    if (tid < BM) us[it & 1][tid] = u;
+    wsr::multipliers_sync();
+    // The rows' folds undone (NVFP4: row_pair's 2^8 is decode_half's, not this tile's).
+    const int extra = K == WKind::kNVFP4 ? 8 : 0;
+    ws::epilogue<K, BM>(acc, w, us[it & 1], bias, y, n0, m0, min(BM, m - m0), ldexpf(1.0f, -lr.c_a - extra),
+                        ldexpf(1.0f, -lr.c_b - extra));
+  }
+#else
+  __trap();  // only the sm_90a build has this tile (gemm_fp8_supported says when it runs)
+#endif
+}
+
 // The dense tiles: the 128-row one-fp16 NVFP4 tile reads the next k16 slice's fragments during the current
 // slice's MMAs (kPrefetch: H100, M = 2048 3-7 % faster). MXFP4's does so only on sm_12x, whose one block per SM
 // leaves it the registers: at two blocks per SM (128 registers) its vote branch for blocks above 2^1 spills, and
@@ -430,6 +539,18 @@ void gemm_wsr_launch(const DevWeight& w, const GemmActivations& a, int64_t m, co
   CUDA_CHECK(cudaGetLastError());
 }
 
+template <WKind K, int BM>
+void gemm_wsr8_launch(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, cudaStream_t s) {
+  auto kernel = gemm_fp4_wsr8_kernel<K, BM>;
+  const int smem = wsr8::Geo<BM>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int sms = gemm_sm_count();
+  const int64_t tiles = static_cast<int64_t>(ceil_div(w.n, ws::kBN)) * ceil_div(m, BM);
+  kernel<<<static_cast<int>(std::min<int64_t>(tiles, sms)), wsr8::kThreads, smem, s>>>(
+      w, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp, static_cast<int>(m), bias, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // Tokens per tile of the register-fragment sm_90a tile: 128 where that takes no more rounds of the persistent grid
 // than 256-token tiles do (a small M whose 256-token grid leaves most SMs idle), else 256. A 128-token round costs
 // 0.65 (NVFP4) to 0.8 (MXFP4) of a 256-token one, not half: every weight is decoded for half the tokens (H200,
@@ -456,6 +577,10 @@ void gemm_wsp_for(const DevWeight& w, const GemmActivations& a, int64_t m, const
 template <WKind K>
 void gemm_kind(const DevWeight& w, const GemmActivations& a, int64_t m, const float* bias, float* y, GemmActs mode,
                cudaStream_t s) {
+  if (a.fp8) {  // (pick_ws_bm's rule: at M = 2048 / 8192, where it picks 256, forcing 128 ran 21-55 % slower)
+    if (pick_ws_bm(m, w.n) == 128) return gemm_wsr8_launch<K, 128>(w, a, m, bias, y, s);
+    return gemm_wsr8_launch<K, 256>(w, a, m, bias, y, s);
+  }
   if (a.tiled && a.wgmma && !a.wsp) {
     if (a.rs == 2) return gemm_wsr_launch<K, true, 256>(w, a, m, bias, y, s);
     if (a.rs == 1 && pick_ws_bm(m, w.n) == 128) return gemm_wsr_launch<K, false, 128>(w, a, m, bias, y, s);
@@ -506,7 +631,10 @@ int gemm_ws_rs() {
   return rs;
 }
 
+bool gemm_fp8_supported() { return gemm_wgmma(); }
+
 TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy) {
+  if (mode == GemmActs::kFp8) return TiledTile::kWs;  // (its only tile; the caller checked gemm_fp8_supported)
   if (policy == 0 || mode != GemmActs::kFp16) return TiledTile::kNone;
   if (!gemm_wgmma()) return m >= wsp::kBM ? TiledTile::kWsp : TiledTile::kNone;  // (gemm_fp4_wsp.cuh)
   if (m < ws::kBM) return TiledTile::kNone;
@@ -533,11 +661,22 @@ int gemm_sm_count() {
 }
 
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {
+  if (mode == GemmActs::kFp8) return (ws::padded_rows(rows) * wsr8::padded_k(k) + 255) / 256 * 256 + rows * 4;
   const int64_t half = ((tiled ? ws::padded_rows(rows) : rows) * wg::padded_k(k) * 2 + 255) / 256 * 256;
   return (mode == GemmActs::kSplit ? 2 : 1) * half + rows * 4;
 }
 
 GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mode, bool tiled) {
+  if (mode == GemmActs::kFp8) {
+    NB_CHECK(gemm_fp8_supported(), "gemm activations: fp8 needs the sm_90a tiles");
+    GemmActivations a;
+    a.tiled = a.wgmma = a.fp8 = true;
+    a.rs = 1;
+    a.mp = ws::padded_rows(rows);
+    a.hi = a.lo = static_cast<__half*>(buf);
+    a.unscale = reinterpret_cast<float*>(static_cast<uint8_t*>(buf) + (a.mp * wsr8::padded_k(k) + 255) / 256 * 256);
+    return a;
+  }
   NB_CHECK(!tiled || mode == GemmActs::kFp16, "gemm activations: tiled needs one fp16");
   const int64_t half = ((tiled ? ws::padded_rows(rows) : rows) * wg::padded_k(k) * 2 + 255) / 256 * 256;
   uint8_t* p = static_cast<uint8_t*>(buf);
@@ -556,6 +695,15 @@ void launch_gemm_activations(const float* x, const int32_t* gather, int gather_d
                              const GemmActivations& out, cudaStream_t s) {
   NB_CHECK(rows >= 1 && rows <= (int64_t{1} << 30) && k % 8 == 0 && gather_div >= 1,
            "gemm activations: rows " + std::to_string(rows) + ", k " + std::to_string(k));
+  if (mode == GemmActs::kFp8) {
+    NB_CHECK(out.fp8 && k % 32 == 0, "gemm activations: fp8 needs fp8 scratch and k % 32 == 0");
+    const int n_kt = wsr8::padded_k(k) / wsr8::kBK;
+    auto kernel = n_kt <= 24 ? fp8_activations_kernel<24> : n_kt <= 32 ? fp8_activations_kernel<32> : fp8_activations_kernel<0>;
+    kernel<<<ceil_div(rows, kPrepWarps), kPrepWarps * 32, 0, s>>>(x, gather, gather_div, static_cast<int>(rows), k,
+                                                                  out.mp, reinterpret_cast<uint32_t*>(out.hi), out.unscale);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const bool split = mode == GemmActs::kSplit;
   // Rows of up to 4096 elements in one read (octet_ / wgmma_activations_kernel); longer ones below.
   const int padded_groups = wg::padded_k(k) / 8;

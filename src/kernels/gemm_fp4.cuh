@@ -18,7 +18,10 @@ namespace nb::cuda {
 // (exact) so that its largest |x| lies in [2^14, 2^15), then rounded to fp16 (11 significant bits);
 // kSplit also keeps the rounding remainder as a second fp16 (~22 bits together) and runs a second MMA
 // on it: half the speed, about fp32 accuracy for the sums (the products fp16 x fp16 are exact in fp32).
-enum class GemmActs : uint8_t { kSplit, kFp16 };
+// kFp8 (sm_90a only, dense GEMMs: gemm_fp8_supported): each row scaled by a power of two so that its largest
+// |x| lies in [2^7, 2^8) and rounded to E4M3 (4 significant bits), the weights decoded to E4M3 too, on the
+// FP8 tensor cores (gemm_fp4_wsr8.cuh): a W4A8 product, faster and coarser.
+enum class GemmActs : uint8_t { kSplit, kFp16, kFp8 };
 
 // What launch_gemm_fp4 takes: MXFP4/NVFP4 weights with 16-byte aligned rows and k % 32 == 0.
 bool gemm_fp4_supports(const DevWeight& w);
@@ -45,7 +48,13 @@ struct GemmActivations {
   // tiled, the sm_90a tile: 0 the ws tile (gemm_fp4_ws.cuh), 1 or 2 the register-fragment one (gemm_fp4_wsr.cuh,
   // gemm_ws_rs), whose activations hold the wgmma tile's k order inside each k-tile.
   int rs = 0;
+  // kFp8: hi holds E4M3 bytes, tiled like the one-fp16 form but 128 k per k-tile (a k-tile's 128 bytes per row
+  // in gemm_fp4_wsr8.cuh's stored order, k padded to whole k-tiles); the sm_90a FP8 tile runs.
+  bool fp8 = false;
 };
+
+// Whether kFp8 activations can run here: the sm_90a tiles (gemm_wgmma()).
+bool gemm_fp8_supported();
 
 // Which sm_90a warp-specialized tile dense prefill GEMMs run (GemmActivations::rs): NIBBLE_WS_RS = 0 (the
 // decoder-warpgroup tile), 1 (the register-fragment tile, one fragment set: the default) or 2 (two sets).

@@ -390,16 +390,17 @@ __device__ __forceinline__ RowPair row_pair(const DevWeight& w, const float* __r
 // the row's NVFP4 global scale (+ bias), for tokens < a_rows and rows < n. A thread's two weight rows are
 // fixed (g and g + 8 of its warp's 16), so their scales, biases and bounds are read once; its tokens are
 // 8 j + 2 t + {0, 1}; us: the tile's token scales in shared memory;
-// BM: the tile's tokens (the register-fragment tile also runs 128).
+// BM: the tile's tokens (the register-fragment tile also runs 128); xa, xb: further factors of the two rows
+// (the FP8 tile's folds, gemm_fp4_wsr8.cuh).
 template <WKind K, int BM = kBM>
 __device__ __forceinline__ void epilogue(const float (&acc)[BM / 2], const DevWeight& w, const float* us,
                                          const float* __restrict__ bias, float* __restrict__ y, int n0, int64_t m0,
-                                         int a_rows) {
+                                         int a_rows, float xa = 1.0f, float xb = 1.0f) {
   const int t = threadIdx.x & 3, n = w.n;
   const RowPair rp = row_pair<K>(w, bias, n0);
   const int ra = rp.ra, rb = rp.rb;
   const bool oka = rp.oka, okb = rp.okb;
-  const float sa = rp.sa, sb = rp.sb, ba = rp.ba, bb = rp.bb;
+  const float sa = rp.sa * xa, sb = rp.sb * xb, ba = rp.ba, bb = rp.bb;
   float* ya = y + m0 * n + ra;
   float* yb = y + m0 * n + rb;
 #pragma unroll

@@ -52,7 +52,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default)
   // or hi-lo (~22 bits, slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read
   // by the kernels) NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws;
-  // unset: the backend's choice), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher),
+  // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher),
   // NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
   // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
@@ -68,6 +68,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_ws, env_choice("NIBBLE_GEMM_WS", "0", "1"));
+  NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_fp8, env_choice("NIBBLE_GEMM_FP8", "0", "1"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FC1_EVEN", "0", "1").status());
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_STREAM_ONE_ROUND", "0", "1").status());
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_ATTN_KEYS", "0", "1").status());
@@ -121,6 +122,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     if (gemm_acts) co.gemm_fp16_activations = std::string(gemm_acts) == "fp16";
     if (fusion) co.decode_fusion = std::string(fusion) == "1";
     if (gemm_ws) co.gemm_ws = std::string(gemm_ws) == "1" ? 1 : 0;
+    if (gemm_fp8) co.gemm_fp8_activations = std::string(gemm_fp8) == "1";
     if (l2_prefetch) co.l2_prefetch = std::string(l2_prefetch) == "1";
     if (defer_routes) co.defer_routes = std::string(defer_routes) == "1";
     if (fused_head) co.fused_head = std::string(fused_head) == "1";

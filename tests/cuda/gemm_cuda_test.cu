@@ -182,6 +182,128 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
   }
 }
 
+// The FP8-activation tile (CudaBackendOptions::gemm_fp8_activations, kernels/gemm_fp4_wsr8.cuh) against an
+// emulation of its rounding on the host: each token row scaled by 2^s (max |x| * 2^s in [2^7, 2^8)) and rounded
+// to E4M3; each weight as e2m1 * block scale * 2^c rounded to E4M3, c the row's fold (2^c times its largest
+// block scale at most 64); products summed exactly. Both operands are then exact E4M3 values and the GPU differs
+// by the tensor cores' arithmetic only, bounded here as follows. Hopper's FP8 MMA aligns a k32 group's products
+// to the largest and keeps ~13-14 bits (the DeepSeek-V3 report; measured here: an outlier row of k = 64 off by
+// ~2^-11 of sum |w x|): <= 32 * 2^-13 of each group's largest |product| plus 2^-13 of the running sum per
+// group, so (2^-8 + k/32 * 2^-13) sum |w x|. Whether it flushes E4M3 subnormals is not documented: allowed for,
+// 2^-6 (the smallest normal) times the other operand per element, in each operand's scaled units. sm_90a only.
+// Returns the row's global factor (NVFP4) or 1; *fold = c.
+float fp8_fold_weight_row(const Weight& w, int64_t row, float* out, int* fold) {
+  int64_t r = row;
+  size_t pi = 0;
+  while (r >= w.parts[pi].rows) r -= w.parts[pi++].rows;
+  const WeightPart& p = w.parts[pi];
+  const int64_t k = w.k, blk = w.format == WeightFormat::kMXFP4 ? 32 : 16;
+  const uint8_t* codes = p.data.as<uint8_t>() + r * k / 2;
+  const uint8_t* sc = p.scales.as<uint8_t>() + r * k / blk;
+  int c = 0;
+  if (w.format == WeightFormat::kMXFP4) {
+    int emax = 0;
+    for (int64_t b = 0; b < k / blk; ++b) emax = sc[b] == 0xff ? emax : std::max<int>(emax, sc[b]);
+    c = 133 - emax;
+  } else {
+    float mx = 0;
+    for (int64_t b = 0; b < k / blk; ++b) mx = std::max(mx, fmt::ue4m3_to_float(sc[b]));
+    c = 6 - (mx > 0 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(mx)))) : -9);
+  }
+  *fold = c;
+  for (int64_t i = 0; i < k; ++i) {
+    const uint8_t b = codes[i / 2];
+    const float v = fmt::e2m1_to_float(i & 1 ? fmt::e2m1_high(b) : fmt::e2m1_low(b));
+    const float scale = w.format == WeightFormat::kMXFP4 ? std::ldexp(1.0f, sc[i / blk] - 127) : fmt::ue4m3_to_float(sc[i / blk]);
+    const float q = fmt::e4m3_to_float(fmt::float_to_e4m3(static_cast<float>(std::ldexp(static_cast<double>(v) * scale, c))));
+    out[i] = static_cast<float>(std::ldexp(static_cast<double>(q), -c));
+  }
+  if (w.format == WeightFormat::kMXFP4) return 1.0f;
+  return p.convention == fmt::GlobalScale::kDivide ? 1.0f / p.global_scale : p.global_scale;
+}
+
+TEST_F(PrefillGemm, Fp8ActivationsMatchTheirEmulation) {
+  CudaBackendOptions o;
+  o.poison = true;
+  o.kv_cache_dtype = DType::kF32;
+  o.gemm_min_tokens = 1;
+  o.gemm_fp8_activations = true;
+  auto made = CudaBackend::create(o);
+  if (!made.ok()) GTEST_SKIP() << made.status().message();
+  if (!cuda::gemm_fp8_supported()) GTEST_SKIP() << "the FP8 tile needs an sm_90a GPU and build";
+  CudaBackend& g = *made.value();
+  struct Case {
+    WeightFormat f;
+    int64_t n, k;
+    int parts;
+    bool extreme;
+    std::vector<int64_t> ms;
+  };
+  const Case cases[] = {
+      {WeightFormat::kMXFP4, 200, 2880, 1, false, {1, 70, 300}},   // k = 22.5 k-tiles of 128; 128-token tiles
+      {WeightFormat::kMXFP4, 130, 96, 2, true, {5, 300}},          // block exponents over 37 binades: folds clamp
+      {WeightFormat::kNVFP4, 77, 160, 3, false, {3, 260}},         // 3 parts: multiply, divide, multiply
+      {WeightFormat::kNVFP4, 300, 2912, 2, false, {513}},          // 256-token tiles, a partial one
+      {WeightFormat::kMXFP4, 1040, 512, 1, false, {4111}},         // several tiles per block
+      {WeightFormat::kMXFP4, 136, 4160, 1, false, {70}},           // 33 k-tiles: the two-read conversion
+      // The golden models' small shapes: k of half a k-tile or one, few rows.
+      {WeightFormat::kNVFP4, 128, 64, 1, false, {1, 10, 53}},
+      {WeightFormat::kNVFP4, 32, 64, 2, false, {10, 53}},
+      {WeightFormat::kNVFP4, 64, 128, 1, false, {53}},
+      {WeightFormat::kMXFP4, 64, 64, 1, false, {10, 53}},
+  };
+  for (const Case& c : cases) {
+    const Weight w = make_fp4(hb_, c.f, c.n, c.k, c.parts, c.extreme);
+    std::vector<TensorView> views;
+    for (const WeightPart& p : w.parts) views.push_back(p.data), views.push_back(p.scales);
+    NB_CHECK(g.upload_views(views).ok(), "upload_views");
+    std::vector<float> wq(c.n * c.k), gscale(c.n);
+    std::vector<int> fold(c.n);
+    for (int64_t j = 0; j < c.n; ++j) gscale[j] = fp8_fold_weight_row(w, j, &wq[j * c.k], &fold[j]);
+    const std::vector<float> bias = randn(c.n);
+    Tensor gb = g.upload(TensorView{bias.data(), DType::kF32, {c.n}});
+    for (int64_t m : c.ms) {
+      std::vector<float> x = randn(m * c.k);
+      if (m > 2) x[c.k + 7] = 300.0f;  // one row with a large entry: its other entries go subnormal in E4M3
+      std::vector<float> xq(x.size());
+      std::vector<int> shift(m);
+      for (int64_t t = 0; t < m; ++t) {
+        float mx = 0;
+        for (int64_t i = 0; i < c.k; ++i) mx = std::max(mx, std::abs(x[t * c.k + i]));
+        int e = 0;
+        if (mx > 0) std::frexp(mx, &e);
+        const int sh = shift[t] = std::max(-120, std::min(120, 8 - e));
+        for (int64_t i = 0; i < c.k; ++i) {
+          const float v = std::ldexp(x[t * c.k + i], sh);
+          xq[t * c.k + i] = std::ldexp(fmt::e4m3_to_float(fmt::float_to_e4m3(v)), -sh);
+        }
+      }
+      const bool with_bias = m % 2 == 1;
+      const std::vector<float> got =
+          g.to_host(g.linear(g.upload(TensorView{x.data(), DType::kF32, {m, c.k}}), w, with_bias ? &gb : nullptr));
+      std::vector<float> want(m * c.n), tol(m * c.n);
+      for (int64_t t = 0; t < m; ++t) {
+        for (int64_t j = 0; j < c.n; ++j) {
+          double sum = 0, mag = 0, wsum = 0, xsum = 0;
+          for (int64_t i = 0; i < c.k; ++i) {
+            const double p = static_cast<double>(wq[j * c.k + i]) * xq[t * c.k + i];
+            sum += p, mag += std::abs(p);
+            wsum += std::abs(wq[j * c.k + i]), xsum += std::abs(xq[t * c.k + i]);
+          }
+          const double gs = std::abs(gscale[j]);
+          want[t * c.n + j] = static_cast<float>(sum * gscale[j] + (with_bias ? bias[j] : 0.0));
+          const double acc = (std::ldexp(1.0, -8) + c.k / 32.0 * std::ldexp(1.0, -13) + c.k * 1.2e-7) * mag;
+          const double flush = std::ldexp(wsum, -6 - shift[t]) + std::ldexp(xsum, -6 - fold[j]);
+          tol[t * c.n + j] = static_cast<float>((acc + flush) * gs + 1e-6 + 1e-6 * std::abs(want[t * c.n + j]));
+        }
+      }
+      expect_close(want, got, tol, c.n,
+                   std::string("fp8 ") + weight_format_name(c.f) + " n " + std::to_string(c.n) + " k " +
+                       std::to_string(c.k) + " parts " + std::to_string(c.parts) + " m " + std::to_string(m));
+    }
+  }
+}
+
 // Routes from host ids: ids [T, top_k] (distinct per token), weights random positive.
 Routes routes_on(Backend& be, const std::vector<int32_t>& ids, const std::vector<float>& wts, int64_t T, int top_k) {
   Routes r{be.alloc(DType::kI32, {T, top_k}), be.alloc(DType::kF32, {T, top_k})};

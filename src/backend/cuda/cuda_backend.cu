@@ -650,7 +650,10 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   const float* b = bias ? bias->data<float>() : nullptr;
   const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
   if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
-    const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+    const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
+    const cuda::GemmActs mode = fp8                                  ? cuda::GemmActs::kFp8
+                                : impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16
+                                                                       : cuda::GemmActs::kSplit;
     const cuda::TiledTile tile =
         cuda::gemm_tiled_tile(m, static_cast<int>(w.n), mode, impl_->options.gemm_ws);
     const bool tiled = tile != cuda::TiledTile::kNone;
@@ -658,7 +661,7 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     cuda::GemmActivations a =
         cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode, tiled);
     a.wsp = tile == cuda::TiledTile::kWsp;
-    a.rs = tile == cuda::TiledTile::kWs ? cuda::gemm_ws_rs() : 0;
+    if (!a.fp8) a.rs = tile == cuda::TiledTile::kWs ? cuda::gemm_ws_rs() : 0;
     cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
     cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
     return out;

@@ -31,6 +31,10 @@ struct CudaBackendOptions {
   // 1.2-1.3x faster end to end, the one-token decode GEMVs +6 % tg128) or keep hi + lo (~22 bits, the
   // goldens' 1e-4 accuracy; NIBBLE_GEMM_ACTIVATIONS=hi-lo). (The 2..8-token decode kernels keep hi + lo.)
   bool gemm_fp16_activations = true;
+  // Dense FP4 prefill GEMMs with E4M3 activations on the FP8 tensor cores (sm_90a only; elsewhere ignored): a
+  // W4A8 product, ~4 significant bits per activation and NVFP4 weight products rounded to E4M3
+  // (kernels/gemm_fp4_wsr8.cuh). Off by default (NIBBLE_GEMM_FP8=1). The MoE GEMMs keep gemm_fp16_activations.
+  bool gemm_fp8_activations = false;
   // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
   // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
   // split kernel wins at 1-2 new tokens, the tiled one from 4 (1.7x) and 8 (3x); see bench/NOTES.md.
