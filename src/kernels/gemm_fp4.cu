@@ -1,8 +1,8 @@
 // Dense FP4 GEMM (see gemm_fp4.cuh; the tiles in gemm_fp4_tile.cuh, gemm_fp4_wgmma.cuh, gemm_fp4_wsr.cuh,
-// gemm_fp4_ws.cuh, gemm_fp4_wsp.cuh) and the fp32 -> fp16 activation conversion that every tensor-core GEMM here
-// reads. Grid: x over 128-column weight tiles, y over BM-row token tiles (the warp-specialized tiles: one
-// persistent block per SM). The heuristics: the tile height (pick_bm, pick_ws_bm) and where a warp-specialized
-// tile runs (gemm_tiled_tile).
+// gemm_fp4_wsr8.cuh, gemm_fp4_ws.cuh, gemm_fp4_wsp.cuh) and the fp32 -> fp16 (or E4M3) activation conversion that
+// every tensor-core GEMM here reads. Grid: x over 128-column weight tiles, y over BM-row token tiles (the
+// warp-specialized tiles: one persistent block per SM). The heuristics: the tile height (pick_bm, pick_ws_bm) and
+// where a warp-specialized tile runs (gemm_tiled_tile).
 #include "kernels/gemm_fp4.cuh"
 
 #include <algorithm>

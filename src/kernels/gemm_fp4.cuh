@@ -65,8 +65,8 @@ int gemm_ws_rs();
 // wgmma tiles (gemm_wgmma()): the sm_90a tile (gemm_fp4_wsr.cuh, gemm_ws_rs) at policy -1 when its grid fills
 // the GPU or, from m >= 512, a third of it, else from m >= 256 the portable one (gemm_fp4_wsp.cuh) where its
 // grid fills half the SMs to one round; at policy 1 the sm_90a tile whenever it can (m >= 256). Otherwise the
-// portable tile: policy -1 or 1 from m >= 128. Policy 0: none (the wgmma or block tiles).
-// CudaBackendOptions::gemm_ws.
+// portable tile: policy -1 or 1 from m >= 128. Policy 0: none (the wgmma or block tiles). kFp8: always the sm_90a
+// FP8 tile (gemm_fp4_wsr8.cuh), whatever the policy. CudaBackendOptions::gemm_ws.
 enum class TiledTile : uint8_t { kNone, kWs, kWsp };
 TiledTile gemm_tiled_tile(int64_t m, int n, GemmActs mode, int policy);
 
