@@ -183,13 +183,11 @@ double prefill_seconds(Model& model, KvCache& cache, const std::vector<int32_t>&
 }
 
 void run_prefill(const Args& args) {
+  const char* fp8 = std::getenv("NIBBLE_GEMM_FP8");  // (Model::load checks its value)
   std::printf("\nPrefill, batch 1, %s, dense format %s, default KV cache (BF16), GEMM activations %s%s\n\n",
               args.chunk > 0 ? ("chunks of " + std::to_string(args.chunk) + " tokens").c_str() : "whole prompt in one step",
               dense_format_name(args.pp_dense), args.gemm_acts < 0 ? "default" : args.gemm_acts ? "one fp16" : "hi + lo",
-              [] {
-                const char* e = std::getenv("NIBBLE_GEMM_FP8");
-                return e && std::string(e) == "1" ? " (NIBBLE_GEMM_FP8=1: FP8 on the sm_90a dense FP4 GEMMs)" : "";
-              }());
+              fp8 && std::string(fp8) == "1" ? " (NIBBLE_GEMM_FP8=1: FP8 on the sm_90a dense FP4 GEMMs)" : "");
   std::printf("| model | prompt | steps | s (median of 3) | pp tok/s |\n|---|---|---|---|---|\n");
   for (const std::string& dir : args.dirs) {
     ModelOptions o;

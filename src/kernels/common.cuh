@@ -135,12 +135,15 @@ __device__ __forceinline__ void e2m1_word(uint32_t q, uint32_t (&h)[4]) {
 // normal) and split into fp16 hi + lo (x - hi): ~22 bits, and fp16 x fp16 products are exact in fp32.
 // Inside each octet of 8 elements the order is 0 4 1 5 2 6 3 7: the pairs the E2M1 word decodes yield.
 
-// s for a row whose max |x| is mx (NaN/inf rows keep scale 1).
-__device__ __forceinline__ int fp16_prescale_shift(float mx) {
+// The power-of-two shift s (|s| <= 120) that puts a row's max |x| = mx in [2^(top - 1), 2^top) (NaN/inf rows
+// keep scale 1): top 15 for fp16 (fp16_prescale_shift), 8 for E4M3 (the FP8 GEMM tile's activations).
+__device__ __forceinline__ int pow2_prescale_shift(float mx, int top) {
   int e = 0;
   if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
-  return max(-120, min(120, 15 - e));
+  return max(-120, min(120, top - e));
 }
+// s for a row whose max |x| is mx.
+__device__ __forceinline__ int fp16_prescale_shift(float mx) { return pow2_prescale_shift(mx, 15); }
 
 // 2^s for |s| <= 126 (fp16_prescale_shift's range), from its bits: ldexpf's special cases are ~20
 // instructions on a path the one-token kernels run once per launch, cold, with the block waiting.

@@ -219,10 +219,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) fp8_activations_kernel(const 
   } else {
     for (int t = 0; t < n_kt; ++t) mx = fmaxf(mx, amax(load(t)));
   }
-  mx = warp_max(mx);
-  int e = 0;
-  if (mx > 0.0f && mx <= 3.4e38f) frexpf(mx, &e);  // mx in [2^(e-1), 2^e)
-  const int sh = max(-120, min(120, 8 - e));
+  const int sh = pow2_prescale_shift(warp_max(mx), 8);
   if (lane == 0) unscale[r] = pow2f(-sh);
   const float pre = pow2f(sh);
   auto store = [&](int t, float4 a) {
@@ -660,8 +657,12 @@ int gemm_sm_count() {
   return sms;
 }
 
+// kFp8: the E4M3 tiles' bytes (rows padded to whole 256-token tiles, k to whole 128-wide k-tiles), 256-aligned;
+// the row scales follow.
+static int64_t fp8_tiles_bytes(int64_t rows, int k) { return (ws::padded_rows(rows) * wsr8::padded_k(k) + 255) / 256 * 256; }
+
 int64_t gemm_activations_bytes(int64_t rows, int k, GemmActs mode, bool tiled) {
-  if (mode == GemmActs::kFp8) return (ws::padded_rows(rows) * wsr8::padded_k(k) + 255) / 256 * 256 + rows * 4;
+  if (mode == GemmActs::kFp8) return fp8_tiles_bytes(rows, k) + rows * 4;
   const int64_t half = ((tiled ? ws::padded_rows(rows) : rows) * wg::padded_k(k) * 2 + 255) / 256 * 256;
   return (mode == GemmActs::kSplit ? 2 : 1) * half + rows * 4;
 }
@@ -671,10 +672,9 @@ GemmActivations gemm_activations_in(void* buf, int64_t rows, int k, GemmActs mod
     NB_CHECK(gemm_fp8_supported(), "gemm activations: fp8 needs the sm_90a tiles");
     GemmActivations a;
     a.tiled = a.wgmma = a.fp8 = true;
-    a.rs = 1;
     a.mp = ws::padded_rows(rows);
     a.hi = a.lo = static_cast<__half*>(buf);
-    a.unscale = reinterpret_cast<float*>(static_cast<uint8_t*>(buf) + (a.mp * wsr8::padded_k(k) + 255) / 256 * 256);
+    a.unscale = reinterpret_cast<float*>(static_cast<uint8_t*>(buf) + fp8_tiles_bytes(rows, k));
     return a;
   }
   NB_CHECK(!tiled || mode == GemmActs::kFp16, "gemm activations: tiled needs one fp16");

@@ -52,8 +52,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default)
   // or hi-lo (~22 bits, slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read
   // by the kernels) NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws;
-  // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default), NIBBLE_FC1_EVEN (the one-token MoE FC1 grid, read by its launcher),
-  // NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
+  // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default), NIBBLE_FC1_EVEN
+  // (the one-token MoE FC1 grid, read by its launcher), NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
   // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes),

@@ -208,6 +208,7 @@ E2E_BENCH = pathlib.Path(NIBBLE).parent / "nibble_e2e_bench"
     (["--dense-formats", "mxfp4,fp6"], ["--dense-formats", "'fp6'"]),
     (["--dense-formats", "mxfp4,"], ["--dense-formats", "''"]),
     (["--gemm-acts", "hilo"], ["--gemm-acts hilo", "fp16 or hi-lo"]),
+    (["--pp-dense-format", "fp4"], ["--pp-dense-format fp4", "keep, fp8, mxfp4 or nvfp4"]),
     (["--depth", "4k"], ["--depth 4k", "token count"]),
     (["--depth", "-1"], ["--depth -1", "token count"]),
     (["--pp", "2k"], ["--pp 2k", "token counts"]),

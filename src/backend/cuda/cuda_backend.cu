@@ -661,7 +661,7 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
     cuda::GemmActivations a =
         cuda::gemm_activations_in(scratch.data<uint8_t>(), m, static_cast<int>(w.k), mode, tiled);
     a.wsp = tile == cuda::TiledTile::kWsp;
-    if (!a.fp8) a.rs = tile == cuda::TiledTile::kWs ? cuda::gemm_ws_rs() : 0;
+    a.rs = tile == cuda::TiledTile::kWs ? cuda::gemm_ws_rs() : 0;  // (the FP8 tile has one form: ignored)
     cuda::launch_gemm_activations(x.data<float>(), nullptr, 1, m, static_cast<int>(w.k), mode, a, impl_->stream);
     cuda::launch_gemm_fp4(dw, a, m, b, out.data<float>(), mode, impl_->stream);
     return out;
