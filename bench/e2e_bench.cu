@@ -86,6 +86,13 @@ struct Args {
   std::vector<std::string> dirs;
 };
 
+// The dense format named `name` (dense_format_name's spelling), or false.
+bool dense_format_of(const std::string& name, DenseFormat& out) {
+  for (DenseFormat f : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4})
+    if (name == dense_format_name(f)) return out = f, true;
+  return false;
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   if (const char* e = std::getenv("NIBBLE_BENCH_HOST_TIMES")) {
@@ -129,10 +136,10 @@ Args parse(int argc, char** argv) {
       for (size_t p = 0; p <= list.size();) {
         const size_t e = std::min(list.find(',', p), list.size());
         const std::string name = list.substr(p, e - p);
-        bool found = false;
-        for (DenseFormat f : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4})
-          if (name == dense_format_name(f)) a.dense.push_back(f), found = true;
-        if (!found) {
+        DenseFormat f;
+        if (dense_format_of(name, f)) {
+          a.dense.push_back(f);
+        } else {
           std::fprintf(stderr, "nibble_e2e_bench: error: --dense-formats: unknown format '%s' (keep, fp8, mxfp4, nvfp4)\n",
                        name.c_str());
           std::exit(2);
@@ -141,10 +148,7 @@ Args parse(int argc, char** argv) {
       }
     } else if (s == "--pp-dense-format" && i + 1 < argc) {
       const std::string v = argv[++i];
-      bool found = false;
-      for (DenseFormat f : {DenseFormat::kKeep, DenseFormat::kFP8, DenseFormat::kMXFP4, DenseFormat::kNVFP4})
-        if (v == dense_format_name(f)) a.pp_dense = f, found = true;
-      if (!found) {
+      if (!dense_format_of(v, a.pp_dense)) {
         std::fprintf(stderr, "nibble_e2e_bench: error: --pp-dense-format %s: expected keep, fp8, mxfp4 or nvfp4\n", v.c_str());
         std::exit(2);
       }
