@@ -291,6 +291,28 @@ int run(const std::vector<int64_t>& ms) {
     layers.emplace_back(md, std::move(ex));
   }
 
+  // The same MoE layers on the FP8 tiles (gemm_fp8_activations, sm_90a, opt-in).
+  if (cuda::gemm_fp8_supported()) {
+    auto fp8 = backend(1, true, true);
+    cudaStream_t s8 = static_cast<cudaStream_t>(fp8->stream());
+    std::printf("\n## MoE layer with FP8 activations (sm_90a W4A8 tiles, opt-in: NIBBLE_GEMM_FP8=1)\n\n");
+    std::printf("| model | experts | M tokens | fp8 us | TFLOP/s | cuBLASLt BF16 us | TFLOP/s | fp8 / BF16 |\n"
+                "|---|---|---|---|---|---|---|---|\n");
+    const GluParams glu{Activation::kGptOssClamped, 7.0f};
+    for (const auto& [md, ex] : layers) {
+      for (int64_t m : ms) {
+        const double flops = 2.0 * m * kTopK * (2 * kFf * kD + kD * kFf);
+        Tensor x8 = fp8->random_floats({m, kD}, 0.0f, 1.0f, seed++);
+        const Routes r8 = random_routes(*fp8, m, md.n_experts, kTopK, seed++);
+        const double a = time_us(s8, calls_for(flops), [&](int) { fp8->moe_experts(x8, r8, ex, glu); });
+        const double c = lt.time(m * kTopK, 2 * kFf, kD) + lt.time(m * kTopK, kD, kFf);
+        std::printf("| %s | %d | %lld | %.1f | %.0f | %.1f | %.0f | %.0f%% |\n", md.name, md.n_experts,
+                    static_cast<long long>(m), a, flops / a * 1e-6, c, flops / c * 1e-6, 100 * c / a);
+        std::fflush(stdout);
+      }
+    }
+  }
+
   std::printf("\n## Crossover: GEMV path (token chunks of 4 / per-pair experts) vs the GEMMs (hi+lo), small M\n\n");
   std::printf("| op | M | GEMV path us | GEMM us | GEMM speedup |\n|---|---|---|---|---|\n");
   const Weight qkv = split->random_weight(WeightFormat::kMXFP4, kQDim + 2 * kKvDim, kD, 0.02f, seed++, "qkv");

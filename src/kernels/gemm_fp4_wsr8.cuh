@@ -115,6 +115,67 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], const uint32_t (
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
+// Narrower always-accumulating forms for the MoE tiles' last token tiles (moe_gemm.cu: N < BM, acc zeroed first).
+__device__ __forceinline__ void wgmma_e4m3_acc_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_e4m3_acc_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_e4m3_acc_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_e4m3_acc_n96(float (&d)[48], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+      "}, {%48,%49,%50,%51}, %52, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+// d's first N / 2 fragments += a x B (N <= BM); N = 128 and 256 through the forms above.
+template <int N, int kAcc>
+__device__ __forceinline__ void wgmma_e4m3_into(float (&acc)[kAcc], const uint32_t (&a)[4], uint64_t db) {
+  static_assert(N / 2 <= kAcc);
+  float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc);
+  if constexpr (N == 256) wgmma_e4m3_n256(d, a, db, 1);
+  else if constexpr (N == 128) wgmma_e4m3_n128(d, a, db, 1);
+  else if constexpr (N == 96) wgmma_e4m3_acc_n96(d, a, db);
+  else if constexpr (N == 64) wgmma_e4m3_acc_n64(d, a, db);
+  else if constexpr (N == 32) wgmma_e4m3_acc_n32(d, a, db);
+  else wgmma_e4m3_acc_n16(d, a, db);
+}
 template <int BM>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   if constexpr (BM == 256) wgmma_e4m3_n256(d, a, db, accumulate);
@@ -235,7 +296,9 @@ struct LaneRows {
 // each row, build the rows' tables, wait for its own previous wgmmas (the other warpgroup's keep the pipe busy)
 // and release their stage, decode into `frag`, issue the 4 wgmmas. (One fragment set: a set per k-tile parity,
 // as gemm_fp4_wsr.cuh's kTwoSets, measured no faster here either -- bench/NOTES.md, thirtieth session.)
-template <WKind K, int BM>
+// N < BM (the MoE tiles' narrower token tiles): wgmma m64nNk32 over the stage's first N tokens, always
+// accumulating (the caller zeroes acc).
+template <WKind K, int BM, int N = BM>
 __device__ __forceinline__ void k_step(const Pipe<BM>& p, int g, int kt, int k, const LaneRows& lr,
                                        uint32_t (&frag)[4][4], float (&acc)[BM / 2]) {
   constexpr int S = Geo<BM>::kStages;
@@ -274,7 +337,10 @@ __device__ __forceinline__ void k_step(const Pipe<BM>& p, int g, int kt, int k, 
   wg::wgmma_fence();
   const uint8_t* a = p.act(s);
 #pragma unroll
-  for (int sl = 0; sl < 4; ++sl) wgmma_e4m3<BM>(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
+  for (int sl = 0; sl < 4; ++sl) {
+    if constexpr (N == BM) wgmma_e4m3<BM>(acc, frag[sl], ws::desc(a + 256 * sl), kt == 0 && sl == 0 ? 0 : 1);
+    else wgmma_e4m3_into<N>(acc, frag[sl], ws::desc(a + 256 * sl));
+  }
   wg::wgmma_commit();
 }
 #endif

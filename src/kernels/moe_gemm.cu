@@ -17,6 +17,7 @@
 #include "kernels/gemm_fp4_wgmma.cuh"
 #include "kernels/gemm_fp4_wsp.cuh"
 #include "kernels/gemm_fp4_wsr.cuh"
+#include "kernels/gemm_fp4_wsr8.cuh"
 
 #include <cstdlib>
 
@@ -433,14 +434,15 @@ struct Fc1Job {
     return fc1_tile_row(tab.d_expert, glu, t.n0, c);
   }
   __device__ float token_weight(const Item&, int) const { return 1.0f; }
-  // acc: D [the lane's rows ra (gate), rb (up)][tokens 8 jj + 2 (lane % 4) + i]; us: token scales.
-  __device__ void store(const float (&acc)[kBM / 2], const Item& t, int ra, int rb, const float* us,
-                        const float*) const {
+  // acc: D [the lane's rows ra (gate), rb (up)][tokens 8 jj + 2 (lane % 4) + i]; us: token scales; xa, xb: the
+  // rows' further factors (the FP8 tile's folds; 1 on the fp16 tile).
+  __device__ void store(const float (&acc)[kBM / 2], const Item& t, int ra, int rb, const float* us, const float*,
+                        float xa, float xb) const {
     const int d = tab.d_expert, j = t.n0 + 8 * (ra >> 4) + (ra & 7), tq = threadIdx.x & 3;
     if (out.hi && t.n0 == 0 && static_cast<int>(threadIdx.x) < t.rows) out.unscale[t.row0 + threadIdx.x] = 1.0f / 1024.0f;
     if (j >= d) return;
     const int rg = weight_row(t, ra), ru = weight_row(t, rb);
-    const float sg = wsp::row_scale<K>(*t.w, rg), su = wsp::row_scale<K>(*t.w, ru);
+    const float sg = wsp::row_scale<K>(*t.w, rg) * xa, su = wsp::row_scale<K>(*t.w, ru) * xb;
     const float* bias = tab.fc1_bias ? tab.fc1_bias + static_cast<int64_t>(t.e) * 2 * d : nullptr;
     const float bg = bias ? bias[rg] : 0.0f, bu = bias ? bias[ru] : 0.0f;
     const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
@@ -478,9 +480,9 @@ struct Fc2Job {
   __device__ int weight_row(const Item& t, int c) const { return t.n0 + c < tab.d_model ? t.n0 + c : -1; }
   __device__ float token_weight(const Item& t, int token) const { return weights[pair_of[t.row0 + token]]; }
   __device__ void store(const float (&acc)[kBM / 2], const Item& t, int ra, int rb, const float* us,
-                        const float* wt) const {
+                        const float* wt, float xa, float xb) const {
     const int n = tab.d_model, ca = t.n0 + ra, cb = t.n0 + rb, tq = threadIdx.x & 3;
-    const float sa = wsp::row_scale<K>(*t.w, ca < n ? ca : 0), sb = wsp::row_scale<K>(*t.w, cb < n ? cb : 0);
+    const float sa = wsp::row_scale<K>(*t.w, ca < n ? ca : 0) * xa, sb = wsp::row_scale<K>(*t.w, cb < n ? cb : 0) * xb;
     const float* bias = tab.fc2_bias ? tab.fc2_bias + static_cast<int64_t>(t.e) * n : nullptr;
     const float ba = bias && ca < n ? bias[ca] : 0.0f, bb = bias && cb < n ? bias[cb] : 0.0f;
 #pragma unroll
@@ -595,11 +597,111 @@ __global__ void __launch_bounds__(wsr::kThreads, 1) moe_wsr_kernel(const __grid_
     if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the item's last stage
     if (tid < BM) us[it & 1][tid] = u, wt[it & 1][tid] = w;
     wsr::multipliers_sync();
-    job.store(acc, t, row_a, row_b, us[it & 1], wt[it & 1]);
+    job.store(acc, t, row_a, row_b, us[it & 1], wt[it & 1], 1.0f, 1.0f);
   }
 #else
   __trap();  // only the sm_90a build has this tile (moe_wsr says when it runs)
 #endif
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <WKind K, int BM, int N>
+__device__ __forceinline__ void k_loop8(const wsr8::Pipe<BM>& p, int& g, int n_kt, int k, const wsr8::LaneRows& lr,
+                                        uint32_t (&frag)[4][4], float (&acc)[BM / 2]) {
+  for (int kt = 0; kt < n_kt; ++kt, ++g) wsr8::k_step<K, BM, N>(p, g, kt, k, lr, frag, acc);
+}
+#endif
+
+// moe_wsr_kernel with E4M3 activations (GemmActivations::fp8) and weights decoded to E4M3 (gemm_fp4_wsr8.cuh):
+// 128-wide k-tiles, each row's fold undone in the job's store.
+template <WKind K, class Job>
+__global__ void __launch_bounds__(wsr8::kThreads, 1) moe_wsr8_kernel(const __grid_constant__ Job job,
+                                                                     const uint8_t* __restrict__ a_tiles,
+                                                                     const float* __restrict__ unscale, int64_t mp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = Job::kBM, S = wsr8::Geo<BM>::kStages, kBlk = K == WKind::kMXFP4 ? 32 : 16;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t bars[2 * S];
+  __shared__ float us[2][BM], wt[2][BM];  // the token scales and weights of the current and the previous item
+  const int tid = threadIdx.x, k = job.k(), n_kt = (k + wsr8::kBK - 1) / wsr8::kBK, n_items = job.n_items();
+  const wsr8::Pipe<BM> p{smem, bars, bars + S};
+  if (tid < S) {
+    ws::mbar_init(p.full + tid, 129);  // 128 producer threads' copies + thread 0's byte count
+    ws::mbar_init(p.empty + tid, 8);   // one per multiplier warp
+  }
+  ws::mbar_fence_init();
+  __syncthreads();
+  if (tid >= 256) {  // the producer: tile row d's codes and scale words (two 64-wide halves), thread 0 the N rows
+    wsr::setmaxnreg_dec<40>();
+    const int d = tid - 256;
+    for (int i = blockIdx.x, g = 0; i < n_items; i += gridDim.x) {
+      const Item t = job.item(i);
+      const uint32_t bytes = n_of(t.rows) * wsr8::kBK;
+      const gemm::BRow br = gemm::brow_of(*t.w, job.weight_row(t, d), k, kBlk);
+      for (int kt = 0; kt < n_kt; ++kt, ++g) {
+        const int s = g % S;
+        if (g >= S) ws::mbar_wait(p.empty + s, ((g / S) - 1) & 1);  // the multipliers released it
+        ws::fetch_raw<K>(br, 2 * kt, k, d, p.raw(s, 0), a_tiles);
+        ws::fetch_raw<K>(br, 2 * kt + 1, k, d, p.raw(s, 1), a_tiles);
+        wsr::mbar_arrive_cp_async(p.full + s);
+        if (d == 0) {
+          ws::mbar_arrive_tx(p.full + s, bytes);
+          ws::bulk_copy(p.act(s), a_tiles + (kt * (mp / 8) + t.row0 / 8) * 1024, bytes, p.full + s);
+        }
+      }
+    }
+    gemm::cp_async_wait<0>();
+    return;
+  }
+  wsr::setmaxnreg_inc<232>();
+  const int wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  wsr8::LaneRows lr;
+  lr.row_a = wgi * 64 + warp * 16 + (lane >> 2), lr.row_b = lr.row_a + 8;
+  float acc[BM / 2];
+  uint32_t frag[4][4];
+  for (int i = blockIdx.x, it = 0, g = 0; i < n_items; i += gridDim.x, ++it) {
+    const Item t = job.item(i);
+    // (stored for the epilogue after the k loop)
+    const float u = tid < t.rows ? unscale[t.row0 + tid] : 0.0f, w = tid < t.rows ? job.token_weight(t, tid) : 0.0f;
+    const gemm::BRow ba = gemm::brow_of(*t.w, job.weight_row(t, lr.row_a), k, kBlk);
+    const gemm::BRow bb = gemm::brow_of(*t.w, job.weight_row(t, lr.row_b), k, kBlk);
+    lr.off_a = ba.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(ba.scales) & 3) : 0;
+    lr.off_b = bb.codes ? static_cast<int>(reinterpret_cast<uintptr_t>(bb.scales) & 3) : 0;
+    lr.c_a = wsr8::row_fold<K>(ba.scales, k / kBlk, lane & 3);
+    lr.c_b = wsr8::row_fold<K>(bb.scales, k / kBlk, lane & 3);
+#pragma unroll
+    for (int q = 0; q < BM / 2; ++q) acc[q] = 0.0f;
+    switch (n_of(t.rows)) {
+      case 16: k_loop8<K, BM, 16>(p, g, n_kt, k, lr, frag, acc); break;
+      case 32: k_loop8<K, BM, 32>(p, g, n_kt, k, lr, frag, acc); break;
+      case 64: k_loop8<K, BM, 64>(p, g, n_kt, k, lr, frag, acc); break;
+      case 96: k_loop8<K, BM, 96>(p, g, n_kt, k, lr, frag, acc); break;
+      case 128: k_loop8<K, BM, 128>(p, g, n_kt, k, lr, frag, acc); break;
+      default:
+        if constexpr (BM == 256) k_loop8<K, BM, 256>(p, g, n_kt, k, lr, frag, acc);
+    }
+    wg::wgmma_wait0();
+    if (lane == 0) ws::mbar_arrive(p.empty + (g - 1) % S);  // the item's last stage
+    if (tid < BM) us[it & 1][tid] = u, wt[it & 1][tid] = w;
+    wsr::multipliers_sync();
+    // The rows' folds undone (NVFP4: row_scale's 2^8 is decode_half's, not this tile's).
+    const int extra = K == WKind::kNVFP4 ? 8 : 0;
+    job.store(acc, t, lr.row_a, lr.row_b, us[it & 1], wt[it & 1], ldexpf(1.0f, -lr.c_a - extra),
+              ldexpf(1.0f, -lr.c_b - extra));
+  }
+#else
+  __trap();  // only the sm_90a build has this tile (moe_wsr says when it runs)
+#endif
+}
+
+template <WKind K, class Job>
+void launch8(const Job& job, int64_t max_items, const GemmActivations& a, cudaStream_t s) {
+  auto kernel = moe_wsr8_kernel<K, Job>;
+  constexpr int smem = wsr8::Geo<Job::kBM>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int blocks = static_cast<int>(std::min<int64_t>(max_items, gemm_sm_count()));
+  kernel<<<blocks, wsr8::kThreads, smem, s>>>(job, reinterpret_cast<const uint8_t*>(a.hi), a.unscale, a.mp);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 template <WKind K, class Job>
@@ -642,6 +744,20 @@ void projections_wsr(const ExpertTable& t, const float* weights, int64_t n_pairs
   }
   wsrm::launch<K>(wsrm::Fc2Job<K, BM>{t, tl, ws.pair_of, weights, ws.y_slot}, max_tiles * ceil_div(t.d_model, ws::kBN),
                   ws.a, s);
+}
+
+// The FP8 form: FC1 (+ bias + GLU) into fp32, FC2's input rounded to E4M3 per row, FC2.
+template <WKind K, int BM>
+void projections_wsr8(const ExpertTable& t, const float* weights, int64_t n_pairs, Glu glu, float limit,
+                      const MoeGemmScratch& ws, cudaStream_t s) {
+  const int64_t max_tiles = moe_gemm_max_tiles(n_pairs, t.n_experts);
+  const wsrm::Tiles<BM> tl{ws.tiles, ws.n_tiles, ws.offsets, ws.counts};
+  wsrm::launch8<K>(wsrm::Fc1Job<K, BM>{t, tl, glu, limit, ws.act, GemmActivations{}},
+                   max_tiles * ceil_div(t.d_expert, ws::kBN / 2), ws.x, s);
+  launch_gemm_activations(ws.act, nullptr, 1, wsrm::slots_for(n_pairs, t.n_experts), t.d_expert, GemmActs::kFp8,
+                          ws.a, s);
+  wsrm::launch8<K>(wsrm::Fc2Job<K, BM>{t, tl, ws.pair_of, weights, ws.y_slot},
+                   max_tiles * ceil_div(t.d_model, ws::kBN), ws.a, s);
 }
 
 template <WKind K>
@@ -741,6 +857,7 @@ bool moe_wsr(GemmActs mode, int64_t n_pairs, int n_experts) {
     const char* e = std::getenv("NIBBLE_MOE_WSR");
     return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : -1;
   }();
+  if (mode == GemmActs::kFp8) return true;  // (its only tile)
   if (setting == 0 || mode != GemmActs::kFp16 || !gemm_wgmma() || moe_variant() >= 0) return false;
   return setting > 0 || n_pairs >= wsrm::kBigRows * static_cast<int64_t>(n_experts);
 }
@@ -825,7 +942,16 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
   CUDA_CHECK(cudaGetLastError());
   // The tokens' rows gathered into slot order as fp16: slot s reads token pair_of[s] / top_k (pad slots none).
   launch_gemm_activations(x, ws.pair_of, top_k, slots, t.d_model, mode, ws.x, s);
-  if (wsr_tile) {
+  if (mode == GemmActs::kFp8) {
+    const bool mx = t.kind == WKind::kMXFP4;
+    if (bm == 256) {
+      mx ? projections_wsr8<WKind::kMXFP4, 256>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wsr8<WKind::kNVFP4, 256>(t, weights, n_pairs, glu, limit, ws, s);
+    } else {
+      mx ? projections_wsr8<WKind::kMXFP4, 128>(t, weights, n_pairs, glu, limit, ws, s)
+         : projections_wsr8<WKind::kNVFP4, 128>(t, weights, n_pairs, glu, limit, ws, s);
+    }
+  } else if (wsr_tile) {
     const bool mx = t.kind == WKind::kMXFP4;
     if (bm == 256) {
       mx ? projections_wsr<WKind::kMXFP4, 256>(t, weights, n_pairs, glu, limit, ws, s)

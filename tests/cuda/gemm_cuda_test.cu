@@ -400,5 +400,160 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
   }
 }
 
+// The MoE grouped GEMMs with FP8 activations (gemm_fp8_activations: moe_gemm.cu moe_wsr8_kernel) against an
+// emulation: per pair, FC1 from the E4M3-rounded token row and weights (as Fp8ActivationsMatchTheirEmulation),
+// bias, the GLU, the GLU row rounded to E4M3 at its own power-of-two scale, FC2, bias, times the routing weight,
+// summed over top_k. The GPU's FC1 differs from the emulation's by the FP8 MMA's arithmetic (the bound above);
+// pushed through the GLU (its change over that box, sampled on a 3 x 3 grid, x 1.25), that may move a GLU value
+// across an E4M3 rounding boundary: where the box straddles one, FC2 is allowed that element's gap between the
+// two roundings; a row whose largest value could change binade is allowed any rounding (2^-3 relative). sm_90a.
+TEST_F(PrefillGemm, MoeFp8MatchesItsEmulation) {
+  CudaBackendOptions o;
+  o.poison = true;
+  o.kv_cache_dtype = DType::kF32;
+  o.gemm_min_tokens = o.moe_gemm_min_tokens = 1;
+  o.gemm_fp8_activations = true;
+  auto made = CudaBackend::create(o);
+  if (!made.ok()) GTEST_SKIP() << made.status().message();
+  if (!cuda::gemm_fp8_supported()) GTEST_SKIP() << "the FP8 tiles need an sm_90a GPU and build";
+  CudaBackend& g = *made.value();
+  struct Case {
+    const char* name;
+    WeightFormat f;
+    int E, top_k, T, d_model, d_ff;
+    GluLayout layout;
+    bool gpt_oss, bias;
+  };
+  const Case cases[] = {
+      {"mxfp4 interleaved gpt-oss, 8 experts", WeightFormat::kMXFP4, 8, 2, 37, 64, 96, GluLayout::kInterleaved, true, true},
+      {"nvfp4 halves silu, 4 experts", WeightFormat::kNVFP4, 4, 1, 70, 160, 64, GluLayout::kHalves, false, false},
+      {"mxfp4 halves gpt-oss, 300 tokens on 2 experts (256-row tiles)", WeightFormat::kMXFP4, 2, 1, 600, 128, 160,
+       GluLayout::kHalves, true, true},
+      {"nvfp4 interleaved gpt-oss, 3 experts, top 2", WeightFormat::kNVFP4, 3, 2, 200, 96, 128,
+       GluLayout::kInterleaved, true, false},
+  };
+  auto round_row = [](const float* v, int64_t k, float* q) {  // the GPU's per-row E4M3 rounding; returns s
+    float mx = 0;
+    for (int64_t i = 0; i < k; ++i) mx = std::max(mx, std::abs(v[i]));
+    int e = 0;
+    if (mx > 0) std::frexp(mx, &e);
+    const int sh = std::max(-120, std::min(120, 8 - e));
+    for (int64_t i = 0; i < k; ++i) q[i] = std::ldexp(fmt::e4m3_to_float(fmt::float_to_e4m3(std::ldexp(v[i], sh))), -sh);
+    return sh;
+  };
+  auto glu_of = [](float gv, float uv, bool gpt_oss) {
+    if (!gpt_oss) return gv / (1.0f + std::exp(-gv)) * uv;
+    gv = std::min(gv, 7.0f);
+    uv = std::clamp(uv, -7.0f, 7.0f);
+    return gv / (1.0f + std::exp(-1.702f * gv)) * (uv + 1.0f);
+  };
+  const double kAcc = std::ldexp(1.0, -8), kStep = std::ldexp(1.0, -13);
+  for (const Case& c : cases) {
+    MoeExperts ex;
+    ex.n_experts = c.E;
+    ex.d_expert = c.d_ff;
+    ex.layout = c.layout;
+    std::vector<std::vector<float>> w1(c.E), w2(c.E);
+    std::vector<std::vector<float>> gs1(c.E), gs2(c.E);
+    std::vector<std::vector<int>> f1(c.E), f2(c.E);
+    for (int e = 0; e < c.E; ++e) {
+      ex.fc1.push_back(make_fp4(hb_, c.f, 2 * c.d_ff, c.d_model, c.f == WeightFormat::kNVFP4 ? 2 : 1));
+      ex.fc2.push_back(make_fp4(hb_, c.f, c.d_model, c.d_ff, 1));
+      for (const Weight* w : {&ex.fc1.back(), &ex.fc2.back()}) {
+        std::vector<TensorView> views;
+        for (const WeightPart& p : w->parts) views.push_back(p.data), views.push_back(p.scales);
+        NB_CHECK(g.upload_views(views).ok(), "upload_views");
+      }
+      w1[e].resize(2 * c.d_ff * c.d_model), gs1[e].resize(2 * c.d_ff), f1[e].resize(2 * c.d_ff);
+      for (int r = 0; r < 2 * c.d_ff; ++r) gs1[e][r] = fp8_fold_weight_row(ex.fc1[e], r, &w1[e][r * c.d_model], &f1[e][r]);
+      w2[e].resize(c.d_model * c.d_ff), gs2[e].resize(c.d_model), f2[e].resize(c.d_model);
+      for (int r = 0; r < c.d_model; ++r) gs2[e][r] = fp8_fold_weight_row(ex.fc2[e], r, &w2[e][r * c.d_ff], &f2[e][r]);
+    }
+    std::vector<int32_t> ids(c.T * c.top_k);
+    std::vector<float> wts(c.T * c.top_k);
+    std::uniform_real_distribution<float> u01(0.1f, 1.0f);
+    for (int t = 0; t < c.T; ++t) {
+      std::vector<int32_t> pool(c.E);
+      for (int i = 0; i < c.E; ++i) pool[i] = i;
+      std::shuffle(pool.begin(), pool.end(), rng());
+      for (int i = 0; i < c.top_k; ++i) ids[t * c.top_k + i] = pool[i], wts[t * c.top_k + i] = u01(rng());
+    }
+    const std::vector<float> b1 = randn(c.E * 2 * c.d_ff), b2 = randn(c.E * c.d_model);
+    const std::vector<float> x = randn(c.T * c.d_model, 2.0f);
+    std::vector<float> xq(x.size());
+    std::vector<int> xs(c.T);
+    for (int t = 0; t < c.T; ++t) xs[t] = round_row(&x[t * c.d_model], c.d_model, &xq[t * c.d_model]);
+    std::vector<double> want(c.T * c.d_model, 0.0), tol(c.T * c.d_model, 1e-6);
+    std::vector<float> h(2 * c.d_ff), a(c.d_ff), aq(c.d_ff);
+    std::vector<double> eh(2 * c.d_ff), ea(c.d_ff), gap(c.d_ff);
+    for (int t = 0; t < c.T; ++t) {
+      for (int i = 0; i < c.top_k; ++i) {
+        const int e = ids[t * c.top_k + i];
+        const double wt = wts[t * c.top_k + i];
+        const float* xr = &xq[t * c.d_model];
+        for (int r = 0; r < 2 * c.d_ff; ++r) {
+          double sum = 0, mag = 0, wsum = 0, xsum = 0;
+          for (int j = 0; j < c.d_model; ++j) {
+            const double p = static_cast<double>(w1[e][r * c.d_model + j]) * xr[j];
+            sum += p, mag += std::abs(p), wsum += std::abs(w1[e][r * c.d_model + j]), xsum += std::abs(xr[j]);
+          }
+          const double gsa = std::abs(gs1[e][r]);
+          h[r] = static_cast<float>(sum * gs1[e][r] + (c.bias ? b1[e * 2 * c.d_ff + r] : 0.0));
+          eh[r] = ((kAcc + c.d_model / 32.0 * kStep + c.d_model * 1.2e-7) * mag + std::ldexp(wsum, -6 - xs[t]) +
+                   std::ldexp(xsum, -6 - f1[e][r])) * gsa + 1e-6 * (1 + std::abs(h[r]));
+        }
+        float amax = 0, emax = 0;
+        for (int j = 0; j < c.d_ff; ++j) {
+          const int rg = c.layout == GluLayout::kInterleaved ? 2 * j : j;
+          const int ru = c.layout == GluLayout::kInterleaved ? 2 * j + 1 : c.d_ff + j;
+          a[j] = glu_of(h[rg], h[ru], c.gpt_oss);
+          double dev = 0;
+          for (int dg = -1; dg <= 1; ++dg)
+            for (int du = -1; du <= 1; ++du)
+              dev = std::max(dev, std::abs(static_cast<double>(glu_of(static_cast<float>(h[rg] + dg * eh[rg]),
+                                                                      static_cast<float>(h[ru] + du * eh[ru]), c.gpt_oss)) - a[j]));
+          ea[j] = 1.25 * dev + 1e-7 * (1 + std::abs(a[j]));
+          amax = std::max(amax, std::abs(a[j]));
+          emax = std::max(emax, static_cast<float>(ea[j]));
+        }
+        const int sh = round_row(a.data(), c.d_ff, aq.data());
+        int elo = 0, ehi = 0;
+        if (amax - emax > 0) std::frexp(amax - emax, &elo);
+        std::frexp(amax + emax, &ehi);
+        const bool loose = amax - emax <= 0 || elo != ehi;  // the GPU's row scale may differ
+        for (int j = 0; j < c.d_ff; ++j) {
+          auto q = [&](double v) { return std::ldexp(fmt::e4m3_to_float(fmt::float_to_e4m3(static_cast<float>(std::ldexp(v, sh)))), -sh); };
+          gap[j] = loose ? std::ldexp(std::abs(a[j]), -3) + ea[j] + std::ldexp(1.0, -9 - sh)
+                         : std::abs(q(a[j] + ea[j]) - q(a[j] - ea[j]));
+        }
+        for (int cc = 0; cc < c.d_model; ++cc) {
+          double sum = 0, mag = 0, wsum = 0, asum = 0, flip = 0;
+          for (int j = 0; j < c.d_ff; ++j) {
+            const double w = w2[e][cc * c.d_ff + j];
+            sum += w * aq[j], mag += std::abs(w * aq[j]), wsum += std::abs(w), asum += std::abs(aq[j]);
+            flip += std::abs(w) * gap[j];
+          }
+          const double gsa = std::abs(gs2[e][cc]);
+          const double y = sum * gs2[e][cc] + (c.bias ? b2[e * c.d_model + cc] : 0.0);
+          want[t * c.d_model + cc] += wt * y;
+          tol[t * c.d_model + cc] += wt * (((kAcc + c.d_ff / 32.0 * kStep + c.d_ff * 1.2e-7) * mag + flip +
+                                            std::ldexp(wsum, -6 - sh) + std::ldexp(asum, -6 - f2[e][cc])) * gsa +
+                                           1e-6 * (1 + std::abs(y)));
+        }
+      }
+    }
+    MoeExperts gex = ex;
+    if (c.bias) {
+      gex.fc1_bias = g.upload(TensorView{b1.data(), DType::kF32, {c.E, 2 * c.d_ff}});
+      gex.fc2_bias = g.upload(TensorView{b2.data(), DType::kF32, {c.E, c.d_model}});
+    }
+    const GluParams glu = c.gpt_oss ? GluParams{Activation::kGptOssClamped, 7.0f} : GluParams{};
+    const std::vector<float> got = g.to_host(g.moe_experts(g.upload(TensorView{x.data(), DType::kF32, {c.T, c.d_model}}),
+                                                           routes_on(g, ids, wts, c.T, c.top_k), gex, glu));
+    std::vector<float> wantf(want.begin(), want.end()), tolf(tol.begin(), tol.end());
+    expect_close(wantf, got, tolf, c.d_model, std::string("fp8 moe ") + c.name);
+  }
+}
+
 }  // namespace
 }  // namespace nb

@@ -1058,7 +1058,10 @@ Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const M
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
   check_f32(x, "moe_experts");
   NB_CHECK(x.dim(1) == d.table.d_model && routes.ids.dim(0) == n_tokens, "moe_experts: input " + shape_string(x.shape));
-  const cuda::GemmActs mode = impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+  const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
+  const cuda::GemmActs mode = fp8                                    ? cuda::GemmActs::kFp8
+                              : impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16
+                                                                     : cuda::GemmActs::kSplit;
   Tensor scratch = alloc(DType::kU8, {cuda::moe_gemm_scratch_bytes(d.table, n_tokens * top_k, mode)});
   const cuda::MoeGemmScratch ws = cuda::moe_gemm_scratch_in(scratch.data<uint8_t>(), d.table, n_tokens * top_k, mode);
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});

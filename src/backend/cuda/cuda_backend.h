@@ -33,7 +33,8 @@ struct CudaBackendOptions {
   bool gemm_fp16_activations = true;
   // Dense FP4 prefill GEMMs with E4M3 activations on the FP8 tensor cores (sm_90a only; elsewhere ignored): a
   // W4A8 product, ~4 significant bits per activation and NVFP4 weight products rounded to E4M3
-  // (kernels/gemm_fp4_wsr8.cuh). Off by default (NIBBLE_GEMM_FP8=1). The MoE GEMMs keep gemm_fp16_activations.
+  // (kernels/gemm_fp4_wsr8.cuh). Off by default (NIBBLE_GEMM_FP8=1). The MoE grouped GEMMs too (moe_gemm.cu
+  // moe_wsr8_kernel: FC1 from E4M3 token rows, its GLU output rounded to E4M3 per row for FC2).
   bool gemm_fp8_activations = false;
   // Attention in steps where a sequence has at least this many new tokens uses the tiled prefill kernel
   // (tests: 1 forces it everywhere). Measured on the H200, gpt-oss shapes after a 4096-token prefix: the
