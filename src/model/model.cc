@@ -52,7 +52,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // ignored setting. NIBBLE_GEMM_ACTIVATIONS (CUDA prefill GEMMs and one-token FP4 GEMVs): fp16 (the default)
   // or hi-lo (~22 bits, slower). Benchmark switches, 0 or 1: NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV, read
   // by the kernels) NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws;
-  // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default), NIBBLE_FC1_EVEN
+  // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default; on the CPU backend its emulation), NIBBLE_FC1_EVEN
   // (the one-token MoE FC1 grid, read by its launcher), NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
   // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
@@ -109,7 +109,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   WeightFactory* factory = nullptr;
   if (options.device == Device::kCpu) {
     if (options.dense_format != DenseFormat::kKeep) return error("--dense-format needs the CUDA backend");
-    auto cpu = std::make_unique<CpuBackend>(options.n_threads);
+    // NIBBLE_GEMM_FP8=1 on the CPU: every FP4 product emulates the FP8 GEMMs' roundings (the GPU takes them
+    // in prefill on sm_90a), to measure what they cost a checkpoint on any machine.
+    auto cpu = std::make_unique<CpuBackend>(options.n_threads, gemm_fp8 && std::string(gemm_fp8) == "1");
     if (options.dummy_weights) factory = cpu.get();
     backend = std::move(cpu);
   } else {

@@ -54,6 +54,16 @@ inline int64_t view_bytes(const TensorView& v) { return v.data ? v.nbytes() : 0;
 // Decodes output row `row` of w into out[0..k) as fp32, exactly (the scalar reference of every format).
 void dequantize_row(const Weight& w, int64_t row, float* out);
 
+// The roundings of the sm_90a FP8-activation GEMMs (NIBBLE_GEMM_FP8=1, kernels/gemm_fp4_wsr8.cuh) on the host:
+// the CPU backend's emulation of that switch and the GPU tests' reference.
+// A token row x[0..k) scaled by 2^s (s puts max |x| in [2^7, 2^8), |s| <= 120; a NaN / inf or zero row takes
+// 8, as the GPU's shift does), rounded to E4M3 and scaled back into q[0..k); returns s.
+int fp8_round_row(const float* x, int64_t k, float* q);
+// FP4 row `row` of w with each weight e2m1 * block scale * 2^c rounded to E4M3 and scaled back by 2^-c, into
+// out[0..k), the NVFP4 global scale left out; c is the row's fold (2^c times its largest block scale is 64;
+// NaN E8M0 blocks do not count). Returns the row's global factor (1 for MXFP4); *fold = c.
+float fp8_weight_row(const Weight& w, int64_t row, float* out, int* fold);
+
 // Half-precision (IEEE binary16) to float, exact; for F16 checkpoints.
 float f16_to_float(uint16_t h);
 

@@ -191,36 +191,7 @@ TEST_F(PrefillGemm, DenseMatchesCpu) {
 // ~2^-11 of sum |w x|): <= 32 * 2^-13 of each group's largest |product| plus 2^-13 of the running sum per
 // group, so (2^-8 + k/32 * 2^-13) sum |w x|. Whether it flushes E4M3 subnormals is not documented: allowed for,
 // 2^-6 (the smallest normal) times the other operand per element, in each operand's scaled units. sm_90a only.
-// Returns the row's global factor (NVFP4) or 1; *fold = c.
-float fp8_fold_weight_row(const Weight& w, int64_t row, float* out, int* fold) {
-  int64_t r = row;
-  size_t pi = 0;
-  while (r >= w.parts[pi].rows) r -= w.parts[pi++].rows;
-  const WeightPart& p = w.parts[pi];
-  const int64_t k = w.k, blk = w.format == WeightFormat::kMXFP4 ? 32 : 16;
-  const uint8_t* codes = p.data.as<uint8_t>() + r * k / 2;
-  const uint8_t* sc = p.scales.as<uint8_t>() + r * k / blk;
-  int c = 0;
-  if (w.format == WeightFormat::kMXFP4) {
-    int emax = 0;
-    for (int64_t b = 0; b < k / blk; ++b) emax = sc[b] == 0xff ? emax : std::max<int>(emax, sc[b]);
-    c = 133 - emax;
-  } else {
-    float mx = 0;
-    for (int64_t b = 0; b < k / blk; ++b) mx = std::max(mx, fmt::ue4m3_to_float(sc[b]));
-    c = 6 - (mx > 0 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(mx)))) : -9);
-  }
-  *fold = c;
-  for (int64_t i = 0; i < k; ++i) {
-    const uint8_t b = codes[i / 2];
-    const float v = fmt::e2m1_to_float(i & 1 ? fmt::e2m1_high(b) : fmt::e2m1_low(b));
-    const float scale = w.format == WeightFormat::kMXFP4 ? std::ldexp(1.0f, sc[i / blk] - 127) : fmt::ue4m3_to_float(sc[i / blk]);
-    const float q = fmt::e4m3_to_float(fmt::float_to_e4m3(static_cast<float>(std::ldexp(static_cast<double>(v) * scale, c))));
-    out[i] = static_cast<float>(std::ldexp(static_cast<double>(q), -c));
-  }
-  if (w.format == WeightFormat::kMXFP4) return 1.0f;
-  return p.convention == fmt::GlobalScale::kDivide ? 1.0f / p.global_scale : p.global_scale;
-}
+// The emulation is model/weight.h's fp8_round_row and fp8_weight_row (the CPU backend's NIBBLE_GEMM_FP8=1).
 
 TEST_F(PrefillGemm, Fp8ActivationsMatchTheirEmulation) {
   CudaBackendOptions o;
@@ -259,7 +230,7 @@ TEST_F(PrefillGemm, Fp8ActivationsMatchTheirEmulation) {
     NB_CHECK(g.upload_views(views).ok(), "upload_views");
     std::vector<float> wq(c.n * c.k), gscale(c.n);
     std::vector<int> fold(c.n);
-    for (int64_t j = 0; j < c.n; ++j) gscale[j] = fp8_fold_weight_row(w, j, &wq[j * c.k], &fold[j]);
+    for (int64_t j = 0; j < c.n; ++j) gscale[j] = fp8_weight_row(w, j, &wq[j * c.k], &fold[j]);
     const std::vector<float> bias = randn(c.n);
     Tensor gb = g.upload(TensorView{bias.data(), DType::kF32, {c.n}});
     for (int64_t m : c.ms) {
@@ -267,17 +238,7 @@ TEST_F(PrefillGemm, Fp8ActivationsMatchTheirEmulation) {
       if (m > 2) x[c.k + 7] = 300.0f;  // one row with a large entry: its other entries go subnormal in E4M3
       std::vector<float> xq(x.size());
       std::vector<int> shift(m);
-      for (int64_t t = 0; t < m; ++t) {
-        float mx = 0;
-        for (int64_t i = 0; i < c.k; ++i) mx = std::max(mx, std::abs(x[t * c.k + i]));
-        int e = 0;
-        if (mx > 0) std::frexp(mx, &e);
-        const int sh = shift[t] = std::max(-120, std::min(120, 8 - e));
-        for (int64_t i = 0; i < c.k; ++i) {
-          const float v = std::ldexp(x[t * c.k + i], sh);
-          xq[t * c.k + i] = std::ldexp(fmt::e4m3_to_float(fmt::float_to_e4m3(v)), -sh);
-        }
-      }
+      for (int64_t t = 0; t < m; ++t) shift[t] = fp8_round_row(&x[t * c.k], c.k, &xq[t * c.k]);
       const bool with_bias = m % 2 == 1;
       const std::vector<float> got =
           g.to_host(g.linear(g.upload(TensorView{x.data(), DType::kF32, {m, c.k}}), w, with_bias ? &gb : nullptr));
@@ -432,15 +393,6 @@ TEST_F(PrefillGemm, MoeFp8MatchesItsEmulation) {
       {"nvfp4 interleaved gpt-oss, 3 experts, top 2", WeightFormat::kNVFP4, 3, 2, 200, 96, 128,
        GluLayout::kInterleaved, true, false},
   };
-  auto round_row = [](const float* v, int64_t k, float* q) {  // the GPU's per-row E4M3 rounding; returns s
-    float mx = 0;
-    for (int64_t i = 0; i < k; ++i) mx = std::max(mx, std::abs(v[i]));
-    int e = 0;
-    if (mx > 0) std::frexp(mx, &e);
-    const int sh = std::max(-120, std::min(120, 8 - e));
-    for (int64_t i = 0; i < k; ++i) q[i] = std::ldexp(fmt::e4m3_to_float(fmt::float_to_e4m3(std::ldexp(v[i], sh))), -sh);
-    return sh;
-  };
   auto glu_of = [](float gv, float uv, bool gpt_oss) {
     if (!gpt_oss) return gv / (1.0f + std::exp(-gv)) * uv;
     gv = std::min(gv, 7.0f);
@@ -465,9 +417,9 @@ TEST_F(PrefillGemm, MoeFp8MatchesItsEmulation) {
         NB_CHECK(g.upload_views(views).ok(), "upload_views");
       }
       w1[e].resize(2 * c.d_ff * c.d_model), gs1[e].resize(2 * c.d_ff), f1[e].resize(2 * c.d_ff);
-      for (int r = 0; r < 2 * c.d_ff; ++r) gs1[e][r] = fp8_fold_weight_row(ex.fc1[e], r, &w1[e][r * c.d_model], &f1[e][r]);
+      for (int r = 0; r < 2 * c.d_ff; ++r) gs1[e][r] = fp8_weight_row(ex.fc1[e], r, &w1[e][r * c.d_model], &f1[e][r]);
       w2[e].resize(c.d_model * c.d_ff), gs2[e].resize(c.d_model), f2[e].resize(c.d_model);
-      for (int r = 0; r < c.d_model; ++r) gs2[e][r] = fp8_fold_weight_row(ex.fc2[e], r, &w2[e][r * c.d_ff], &f2[e][r]);
+      for (int r = 0; r < c.d_model; ++r) gs2[e][r] = fp8_weight_row(ex.fc2[e], r, &w2[e][r * c.d_ff], &f2[e][r]);
     }
     std::vector<int32_t> ids(c.T * c.top_k);
     std::vector<float> wts(c.T * c.top_k);
@@ -482,7 +434,7 @@ TEST_F(PrefillGemm, MoeFp8MatchesItsEmulation) {
     const std::vector<float> x = randn(c.T * c.d_model, 2.0f);
     std::vector<float> xq(x.size());
     std::vector<int> xs(c.T);
-    for (int t = 0; t < c.T; ++t) xs[t] = round_row(&x[t * c.d_model], c.d_model, &xq[t * c.d_model]);
+    for (int t = 0; t < c.T; ++t) xs[t] = fp8_round_row(&x[t * c.d_model], c.d_model, &xq[t * c.d_model]);
     std::vector<double> want(c.T * c.d_model, 0.0), tol(c.T * c.d_model, 1e-6);
     std::vector<float> h(2 * c.d_ff), a(c.d_ff), aq(c.d_ff);
     std::vector<double> eh(2 * c.d_ff), ea(c.d_ff), gap(c.d_ff);
@@ -516,7 +468,7 @@ TEST_F(PrefillGemm, MoeFp8MatchesItsEmulation) {
           amax = std::max(amax, std::abs(a[j]));
           emax = std::max(emax, static_cast<float>(ea[j]));
         }
-        const int sh = round_row(a.data(), c.d_ff, aq.data());
+        const int sh = fp8_round_row(a.data(), c.d_ff, aq.data());
         int elo = 0, ehi = 0;
         if (amax - emax > 0) std::frexp(amax - emax, &elo);
         std::frexp(amax + emax, &ehi);

@@ -224,6 +224,59 @@ TEST(Linear, Nvfp4CompressedTensorsMatchesDequantizeThenMatmul) {
   expect_linear_matches(WeightFormat::kNVFP4, fmt::GlobalScale::kDivide);
 }
 
+// NIBBLE_GEMM_FP8=1's emulation (CpuBackend fp8_emulation: the sm_90a FP8 GEMMs' roundings) against the rule
+// written here from scratch: each token row to 4 significant bits at one power-of-two scale (its max |x| in
+// [2^7, 2^8) of E4M3's range, so small entries may land in E4M3's subnormals), each weight e2m1 * block scale
+// rounded to 4 significant bits (exact for MXFP4; NVFP4 products like 1.5 * 1.125 round), the NVFP4 global
+// factor on the sum. Random normal weights keep every block within E4M3's normal range of its row's fold.
+void expect_fp8_emulation(WeightFormat format, fmt::GlobalScale convention) {
+  CpuBackend exact(2), emulated(2, /*fp8_emulation=*/true);
+  const int64_t T = 4, n = 40, k = 128;
+  TestWeight tw = make_weight(format, n, k, convention);
+  std::vector<float> x = randn(T * k);
+  x[k + 3] = 200.0f;  // a row whose other entries keep few bits (some subnormal in E4M3)
+  const std::vector<float> bias = randn(n);
+  const Tensor bias_t = to_tensor(emulated, bias, {n});
+  const Tensor y = emulated.linear(to_tensor(emulated, x, {T, k}), tw.w, &bias_t);
+  const Tensor y_exact = exact.linear(to_tensor(exact, x, {T, k}), tw.w, &bias_t);
+  auto to_e4m3_at = [](double v, int s) {  // v * 2^s rounded to E4M3, scaled back
+    return std::ldexp(double{fmt::e4m3_to_float(fmt::float_to_e4m3(static_cast<float>(std::ldexp(v, s))))}, -s);
+  };
+  auto four_bits = [&](double v) {  // v rounded to 4 significant bits
+    int e = 0;
+    std::frexp(v, &e);  // |v| in [2^(e-1), 2^e): scaled into [1, 2), E4M3's normal range
+    return v == 0 ? 0.0 : to_e4m3_at(v, 1 - e);
+  };
+  const float global = format == WeightFormat::kMXFP4 ? 1.0f
+                       : convention == fmt::GlobalScale::kMultiply ? tw.w.parts[0].global_scale
+                                                                   : 1.0f / tw.w.parts[0].global_scale;
+  int changed = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    float mx = 0;
+    for (int64_t i = 0; i < k; ++i) mx = std::max(mx, std::abs(x[t * k + i]));
+    int e = 0;
+    std::frexp(mx, &e);
+    for (int64_t j = 0; j < n; ++j) {
+      double want = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double wv = tw.dense[j * k + i] / global;  // e2m1 * block scale, exact
+        want += to_e4m3_at(x[t * k + i], 8 - e) * four_bits(wv);
+      }
+      want = want * global + bias[j];
+      const float got = y.data<float>()[t * n + j];
+      ASSERT_NEAR(got, want, 1e-5 * (1 + std::abs(want))) << "t " << t << " row " << j;
+      changed += got != y_exact.data<float>()[t * n + j];
+    }
+  }
+  EXPECT_GT(changed, T * n / 2) << "the emulation changed too few outputs";
+}
+
+TEST(Linear, Fp8EmulationMxfp4) { expect_fp8_emulation(WeightFormat::kMXFP4, {}); }
+TEST(Linear, Fp8EmulationNvfp4BothConventions) {
+  expect_fp8_emulation(WeightFormat::kNVFP4, fmt::GlobalScale::kMultiply);
+  expect_fp8_emulation(WeightFormat::kNVFP4, fmt::GlobalScale::kDivide);
+}
+
 TEST(Linear, DenseBf16AndMultiPart) {
   CpuBackend be(2);
   const int64_t k = 8;

@@ -14,8 +14,13 @@ namespace nb {
 // configs for tests); re-quantization (--dense-format) is the CUDA backend's.
 class CpuBackend final : public Backend, public WeightFactory {
  public:
-  explicit CpuBackend(int n_threads = 0) : pool_(n_threads) {}
-  std::string name() const override { return "cpu (" + std::to_string(pool_.size()) + " threads)"; }
+  // fp8_emulation: every FP4 product with the roundings of the sm_90a FP8-activation GEMMs (NIBBLE_GEMM_FP8=1:
+  // E4M3 token rows at one power-of-two scale each, FP4 weights rounded to E4M3 at their row's fold;
+  // model/weight.h fp8_round_row, fp8_weight_row), so that their effect on a checkpoint is measured here too.
+  explicit CpuBackend(int n_threads = 0, bool fp8_emulation = false) : pool_(n_threads), fp8_emulation_(fp8_emulation) {}
+  std::string name() const override {
+    return "cpu (" + std::to_string(pool_.size()) + " threads" + (fp8_emulation_ ? ", FP8 activations emulated" : "") + ")";
+  }
 
   Tensor alloc(DType dtype, std::vector<int64_t> shape) override;
   Tensor upload(const TensorView& host) override;
@@ -50,6 +55,7 @@ class CpuBackend final : public Backend, public WeightFactory {
   void matmul(const float* x, int64_t n_rows, const Weight& w, const float* bias, float* out);
 
   ThreadPool pool_;
+  bool fp8_emulation_ = false;
 };
 
 }  // namespace nb
