@@ -348,21 +348,31 @@ def test_live_server_and_cross_check(tmp_path):
                    for r in reqs)
 
         # A prompt long enough that prefill takes tens of ms on the CPU backend, so pp is measurable.
+        # nibble's client runs before and after llama-benchy: the machine's speed drifts between the two tools'
+        # windows (a CI run saw nibble's 3 runs at 3395 +- 10 t/s and llama-benchy's at 4784 +- 176, where the
+        # same pair measured alone gives 4605 and 4367-4784), so llama-benchy is compared with the nearer of the
+        # two nibble measurements around it.
         xflags = ["--pp", 2048, "--tg", 16, "--runs", 3]
-        mine = json.loads(bench(url, *xflags, "--format", "json").stdout)["benchmarks"][0]
+        before = json.loads(bench(url, *xflags, "--format", "json").stdout)["benchmarks"][0]
         theirs = run_llama_benchy(url, tmp_path / "home", *xflags)["benchmarks"][0]
-        print(f"\ncross-check (pp2048 tg16, 3 runs): nibble pp {mine['pp_throughput']['mean']:.1f} "
-              f"+- {mine['pp_throughput']['std']:.1f}, tg {mine['tg_throughput']['mean']:.1f} t/s; llama-benchy 0.2.1 pp "
+        after = json.loads(bench(url, *xflags, "--format", "json").stdout)["benchmarks"][0]
+        print(f"\ncross-check (pp2048 tg16, 3 runs): nibble pp {before['pp_throughput']['mean']:.1f} "
+              f"+- {before['pp_throughput']['std']:.1f} then {after['pp_throughput']['mean']:.1f} "
+              f"+- {after['pp_throughput']['std']:.1f}, tg {before['tg_throughput']['mean']:.1f} t/s; llama-benchy 0.2.1 pp "
               f"{theirs['pp_throughput']['mean']:.1f} +- {theirs['pp_throughput']['std']:.1f}, "
               f"tg {theirs['tg_throughput']['mean']:.1f} t/s")
         # pp: tolerance = 3 combined population stds of the two tools' runs plus 25% of the mean: live
         # CPU timings on a shared 2-core machine, and the two runs see different random prompt windows.
-        a, b = mine["pp_throughput"], theirs["pp_throughput"]
-        assert abs(a["mean"] - b["mean"]) <= 3 * math.hypot(a["std"], b["std"]) + 0.25 * max(a["mean"], b["mean"])
+        b = theirs["pp_throughput"]
+
+        def close(a):
+            return abs(a["mean"] - b["mean"]) <= 3 * math.hypot(a["std"], b["std"]) + 0.25 * max(a["mean"], b["mean"])
+
+        assert close(before["pp_throughput"]) or close(after["pp_throughput"]), (before, after, theirs)
         # tg is not compared here: the tiny model decodes a token in well under a millisecond, below what
         # llama-benchy's asyncio line loop resolves (tokens read in one burst share a timestamp), so its
         # tg t/s is inflated by an order of magnitude. The tg agreement is checked on the fake server,
         # whose 20 ms ITL both clients resolve (test_cross_check_with_llama_benchy_on_fake_server).
-        assert theirs["tg_throughput"]["mean"] > 0 and mine["tg_throughput"]["mean"] > 0
+        assert min(theirs["tg_throughput"]["mean"], before["tg_throughput"]["mean"], after["tg_throughput"]["mean"]) > 0
     finally:
         srv.stop()

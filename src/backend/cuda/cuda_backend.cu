@@ -440,6 +440,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->arrivals, 0, kArrivals * sizeof(unsigned)), "cudaMemset"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&impl->last_ids, kKeptSampledRows * sizeof(int32_t)), "cudaMalloc"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->last_ids, 0, kKeptSampledRows * sizeof(int32_t)), "cudaMemset"));
+  if (options.gemm_fp8_activations && !cuda::gemm_fp8_supported())
+    NB_LOG_WARN("NIBBLE_GEMM_FP8=1: the FP8 prefill GEMMs need an sm_90a GPU and build (%s); prefill keeps fp16 activations",
+                describe(info).c_str());
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -448,7 +451,9 @@ CudaBackend::~CudaBackend() = default;
 
 std::string CudaBackend::name() const {
   static const char* kKv[] = {"f32", "bf16", "fp8"};
-  return "cuda: " + describe(impl_->info) + ", kv cache " + kKv[static_cast<int>(kv_kind_of(impl_->options.kv_cache_dtype))];
+  const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
+  return "cuda: " + describe(impl_->info) + ", kv cache " + kKv[static_cast<int>(kv_kind_of(impl_->options.kv_cache_dtype))] +
+         (fp8 ? ", FP8 prefill GEMMs (W4A8)" : "");
 }
 
 void* CudaBackend::stream() const { return impl_->stream; }
