@@ -201,12 +201,6 @@ __device__ __forceinline__ uint32_t pack_scales(const ScaleBytes<K>& s) {
   return w;
 }
 
-// gemm::e8m0_half_bits without its branches (the same bits for every code: 2^(e - 127) rounded to fp16 -- inf
-// above 2^15, subnormal down to 2^-24, zero below -- and NaN for 0xFF): one conversion and a select.
-__device__ __forceinline__ uint32_t e8m0_bits(uint32_t e) {
-  return e == 0xffu ? 0x7e00u : gemm::pow2_half_bits(static_cast<int>(e) - 127);
-}
-
 // acc (this thread's D fragments) += over the whole k, for the block's 128 weight rows and BM tokens; the
 // wgmmas cover the first N <= BM tokens (a MoE tile whose expert has fewer rows), and only those rows of
 // the activation tile are loaded.
@@ -289,8 +283,8 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     const uint8_t* codes = code_tile(s);
     const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale_tile(s));
     const int sb = K == WKind::kMXFP4 ? (t >> 1) : t;
-    const uint32_t ha = K == WKind::kMXFP4 ? e8m0_bits(sc[4 * row_a + sb]) : gemm::ue4m3_half_bits(sc[4 * row_a + sb]);
-    const uint32_t hb = K == WKind::kMXFP4 ? e8m0_bits(sc[4 * row_b + sb]) : gemm::ue4m3_half_bits(sc[4 * row_b + sb]);
+    const uint32_t ha = K == WKind::kMXFP4 ? gemm::e8m0_half_bits_flat(sc[4 * row_a + sb]) : gemm::ue4m3_half_bits(sc[4 * row_a + sb]);
+    const uint32_t hb = K == WKind::kMXFP4 ? gemm::e8m0_half_bits_flat(sc[4 * row_b + sb]) : gemm::ue4m3_half_bits(sc[4 * row_b + sb]);
     const uint32_t fa = ha | (ha << 16), fb = hb | (hb << 16);
     const uint2 ca = *reinterpret_cast<const uint2*>(codes + row_a * 32 + 8 * t);
     const uint2 cb = *reinterpret_cast<const uint2*>(codes + row_b * 32 + 8 * t);

@@ -34,8 +34,9 @@ DEMOS = [  # (BF16 dir, quantized dir, format)
 ]
 
 
-def nibble(*args, check=True):
-    proc = subprocess.run([NIBBLE, *map(str, args)], capture_output=True, text=True, timeout=600)
+def nibble(*args, check=True, env=None):
+    proc = subprocess.run([NIBBLE, *map(str, args)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"nibble {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
     return proc
@@ -58,12 +59,9 @@ def heldout(tmp_path_factory):
 
 
 def evaluate(model, ref, text, env=None):
-    args = [NIBBLE, "eval", "-m", model, "--ref-model", ref, "--text-file", text, "--seq-len", 256, "--json",
-            "--device", "cpu"]
-    proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    out = nibble("eval", "-m", model, "--ref-model", ref, "--text-file", text, "--seq-len", 256, "--json",
+                 "--device", "cpu", env=env)
+    return json.loads(out.stdout)
 
 
 @pytest.mark.parametrize("bf16,quantized,fmt", DEMOS)

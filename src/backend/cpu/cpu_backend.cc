@@ -102,7 +102,8 @@ Tensor CpuBackend::add_rms_norm(Tensor& x, const Tensor& y, const Tensor& w, flo
 void CpuBackend::matmul(const float* x, int64_t n_rows, const Weight& w, const float* bias, float* out) {
   const int64_t k = w.k, n = w.n;
   // With fp8_emulation_ the FP4 products take the FP8 GEMMs' roundings: token rows to E4M3, weights to E4M3
-  // at their row's fold, the NVFP4 global factor applied to the sum (as the GPU's epilogue does).
+  // at their row's fold, the NVFP4 global factor applied to the sum (as the GPU's epilogue does; g * dot is
+  // exact for g = 1, so the default path's results are unchanged).
   const bool fp8 = fp8_emulation_ && (w.format == WeightFormat::kMXFP4 || w.format == WeightFormat::kNVFP4);
   std::vector<float> xq;
   if (fp8) {
@@ -115,9 +116,13 @@ void CpuBackend::matmul(const float* x, int64_t n_rows, const Weight& w, const f
       [&](int64_t begin, int64_t end) {
         std::vector<float> row(k);  // one decoded weight row, reused for every token
         for (int64_t j = begin; j < end; ++j) {
-          int fold = 0;
-          const float g = fp8 ? fp8_weight_row(w, j, row.data(), &fold) : 1.0f;
-          if (!fp8) dequantize_row(w, j, row.data());
+          float g = 1.0f;  // (FP8: the NVFP4 global factor, applied to the sum)
+          if (fp8) {
+            int fold;
+            g = fp8_weight_row(w, j, row.data(), &fold);
+          } else {
+            dequantize_row(w, j, row.data());
+          }
           const float b = bias ? bias[j] : 0.0f;
           for (int64_t t = 0; t < n_rows; ++t) out[t * n + j] = g * dot(x + t * k, row.data(), k) + b;
         }

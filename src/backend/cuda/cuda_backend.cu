@@ -161,6 +161,12 @@ KvKind kv_kind_of(DType t) {
 struct CudaBackend::Impl {
   CudaDeviceInfo info;
   CudaBackendOptions options;
+  // The FP4 prefill GEMMs' activations (dense and MoE): E4M3 where asked for and an sm_90a tile exists, else
+  // one fp16 or hi + lo.
+  bool fp8_gemms() const { return options.gemm_fp8_activations && cuda::gemm_fp8_supported(); }
+  cuda::GemmActs prefill_acts() const {
+    return fp8_gemms() ? cuda::GemmActs::kFp8 : options.gemm_fp16_activations ? cuda::GemmActs::kFp16 : cuda::GemmActs::kSplit;
+  }
   cudaStream_t stream = nullptr;
   std::shared_ptr<Pool> pool = std::make_shared<Pool>();
   std::vector<Region> regions;          // sorted by host_begin
@@ -440,7 +446,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const CudaBackendOption
   NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->arrivals, 0, kArrivals * sizeof(unsigned)), "cudaMemset"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMalloc(&impl->last_ids, kKeptSampledRows * sizeof(int32_t)), "cudaMalloc"));
   NB_RETURN_IF_ERROR(cuda_status(cudaMemset(impl->last_ids, 0, kKeptSampledRows * sizeof(int32_t)), "cudaMemset"));
-  if (options.gemm_fp8_activations && !cuda::gemm_fp8_supported())
+  if (options.gemm_fp8_activations && !impl->fp8_gemms())
     NB_LOG_WARN("NIBBLE_GEMM_FP8=1: the FP8 prefill GEMMs need an sm_90a GPU and build (%s); prefill keeps fp16 activations",
                 describe(info).c_str());
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
@@ -451,9 +457,8 @@ CudaBackend::~CudaBackend() = default;
 
 std::string CudaBackend::name() const {
   static const char* kKv[] = {"f32", "bf16", "fp8"};
-  const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
   return "cuda: " + describe(impl_->info) + ", kv cache " + kKv[static_cast<int>(kv_kind_of(impl_->options.kv_cache_dtype))] +
-         (fp8 ? ", FP8 prefill GEMMs (W4A8)" : "");
+         (impl_->fp8_gemms() ? ", FP8 prefill GEMMs (W4A8)" : "");
 }
 
 void* CudaBackend::stream() const { return impl_->stream; }
@@ -655,10 +660,7 @@ Tensor CudaBackend::linear(const Tensor& x, const Weight& w, const Tensor* bias)
   const float* b = bias ? bias->data<float>() : nullptr;
   const int min_m = impl_->options.gemm_min_tokens > 0 ? impl_->options.gemm_min_tokens : kGemmMinTokens;
   if (m >= min_m && cuda::gemm_fp4_supports(dw)) {  // prefill: tensor cores, the weight read once per tile
-    const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
-    const cuda::GemmActs mode = fp8                                  ? cuda::GemmActs::kFp8
-                                : impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16
-                                                                       : cuda::GemmActs::kSplit;
+    const cuda::GemmActs mode = impl_->prefill_acts();
     const cuda::TiledTile tile =
         cuda::gemm_tiled_tile(m, static_cast<int>(w.n), mode, impl_->options.gemm_ws);
     const bool tiled = tile != cuda::TiledTile::kNone;
@@ -1063,10 +1065,7 @@ Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const M
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
   check_f32(x, "moe_experts");
   NB_CHECK(x.dim(1) == d.table.d_model && routes.ids.dim(0) == n_tokens, "moe_experts: input " + shape_string(x.shape));
-  const bool fp8 = impl_->options.gemm_fp8_activations && cuda::gemm_fp8_supported();
-  const cuda::GemmActs mode = fp8                                    ? cuda::GemmActs::kFp8
-                              : impl_->options.gemm_fp16_activations ? cuda::GemmActs::kFp16
-                                                                     : cuda::GemmActs::kSplit;
+  const cuda::GemmActs mode = impl_->prefill_acts();
   Tensor scratch = alloc(DType::kU8, {cuda::moe_gemm_scratch_bytes(d.table, n_tokens * top_k, mode)});
   const cuda::MoeGemmScratch ws = cuda::moe_gemm_scratch_in(scratch.data<uint8_t>(), d.table, n_tokens * top_k, mode);
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
