@@ -107,15 +107,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 
 using nb::cuda::hmul2;  // (common.cuh; the wgmma tile names it gemm::hmul2)
 
-// fp16 bits of 2^(e - 127) for an E8M0 code: exact for exponents in [-24, 15], 0 below, inf above, NaN for 0xFF.
-__device__ __forceinline__ uint32_t e8m0_half_bits(uint32_t e) {
-  const int x = static_cast<int>(e) - 127;
-  if (e == 0xffu) return 0x7e00u;
-  if (x > 15) return 0x7c00u;
-  if (x >= -14) return static_cast<uint32_t>(x + 15) << 10;
-  if (x >= -24) return 1u << (x + 24);
-  return 0u;
-}
 // fp16 bits of a UE4M3 code's value (exact: at most 448, at least 2^-9): the 7 bits at fp16 bits 7..13 are
 // the value * 2^-8, times 256.
 __device__ __forceinline__ uint32_t ue4m3_half_bits(uint32_t c) {
@@ -142,15 +133,15 @@ __device__ __forceinline__ uint32_t hmul2_hi(uint32_t a, uint32_t b) {
 template <WKind K>
 __host__ __device__ constexpr float fold_of() { return K == WKind::kMXFP4 ? 1.0f : 256.0f; }
 
-// fp16 bits of 2^x for x in [-126, 127] (0 or subnormal below fp16's range, inf above), through fp32 and one
-// conversion: branch-free, where e8m0_half_bits's range checks compile to branches.
+// fp16 bits of 2^x for x in [-127, 127] (0 or subnormal below fp16's range, inf above), through fp32 and one
+// conversion: branch-free.
 __device__ __forceinline__ uint32_t pow2_half_bits(int x) {
   return __half_as_ushort(__float2half_rn(__int_as_float((x + 127) << 23)));
 }
-// e8m0_half_bits without its branches: the same bits for every code (checked for all 256), one conversion and a
-// select. The sm_90a block tile takes it (31st session: its MoE layers 7.8 % faster with LDS stage reads); the
-// other tiles keep e8m0_half_bits until the same change is measured there (branch wsr-e8m0, bench/NOTES.md).
-__device__ __forceinline__ uint32_t e8m0_half_bits_flat(uint32_t e) {
+// fp16 bits of 2^(e - 127) for an E8M0 code: exact for exponents in [-24, 15], 0 below, inf above, NaN for 0xFF.
+// One conversion and a select: written as range checks it compiled to three compares and branches per call
+// (ncu, 31st session: 12.6 % of the block tile's stall samples).
+__device__ __forceinline__ uint32_t e8m0_half_bits(uint32_t e) {
   return e == 0xffu ? 0x7e00u : pow2_half_bits(static_cast<int>(e) - 127);
 }
 // An E8M0 code's one-multiply factors for e2m1_word's pairs (e2m1 * 2^-14), fp16 bits in one word: low half

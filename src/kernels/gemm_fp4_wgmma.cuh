@@ -283,8 +283,8 @@ __device__ __forceinline__ void mainloop(uint8_t* smem_raw, const __half* __rest
     const uint8_t* codes = code_tile(s);
     const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale_tile(s));
     const int sb = K == WKind::kMXFP4 ? (t >> 1) : t;
-    const uint32_t ha = K == WKind::kMXFP4 ? gemm::e8m0_half_bits_flat(sc[4 * row_a + sb]) : gemm::ue4m3_half_bits(sc[4 * row_a + sb]);
-    const uint32_t hb = K == WKind::kMXFP4 ? gemm::e8m0_half_bits_flat(sc[4 * row_b + sb]) : gemm::ue4m3_half_bits(sc[4 * row_b + sb]);
+    const uint32_t ha = K == WKind::kMXFP4 ? gemm::e8m0_half_bits(sc[4 * row_a + sb]) : gemm::ue4m3_half_bits(sc[4 * row_a + sb]);
+    const uint32_t hb = K == WKind::kMXFP4 ? gemm::e8m0_half_bits(sc[4 * row_b + sb]) : gemm::ue4m3_half_bits(sc[4 * row_b + sb]);
     const uint32_t fa = ha | (ha << 16), fb = hb | (hb << 16);
     const uint2 ca = *reinterpret_cast<const uint2*>(codes + row_a * 32 + 8 * t);
     const uint2 cb = *reinterpret_cast<const uint2*>(codes + row_b * 32 + 8 * t);
