@@ -10,8 +10,9 @@
 // in one step), after one warm-up prompt; sizes whose projected time exceeds --max-seconds are skipped.
 // Usage: nibble_e2e_bench [--pp 512,2048,8192 | --no-pp] [--chunk N] [--max-seconds S] [--no-tg] [--gemm-acts fp16|hi-lo]
 //                         [--dense-formats keep,fp8,mxfp4,nvfp4] [--pp-dense-format F] [--depth N] [--sync-decode]
-//   --pp-dense-format F: the prefill runs at --dense-format F (default keep: the checkpoint's own; nvfp4 makes every
-//   linear of a BF16 config FP4, e.g. configs/Llama-3.1-8B through the FP4 prefill GEMMs)
+//   --pp-dense-format F: the prefill runs at --dense-format F (default keep: the checkpoint's own). Like
+//   --dense-format it re-quantizes the attention projections and lm_head only; for every linear in FP4 take a
+//   config with a quantization_config (configs/Llama-3.1-8B-NVFP4, configs/Qwen3-30B-A3B-NVFP4)
 //   --depth N: the decode runs after an N-token prompt (one prefill step) instead of one token: tg128 at
 //   context depth N (llama-benchy's "tg128 @ dN")
 //        CONFIG_DIR...

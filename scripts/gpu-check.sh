@@ -75,6 +75,8 @@ fi
 #   khilo   the FP4 rows of the kernel bench with hi + lo activations (NIBBLE_GEMM_ACTIVATIONS=hi-lo; baseline)
 #   tghilo  tg128 at dense format mxfp4 with hi + lo activations (--gemm-acts hi-lo; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
+#   models  tg128 and pp512/2048/8192 of the NVFP4 releases' shapes (configs/Llama-3.1-8B-NVFP4,
+#           configs/Qwen3-30B-A3B-NVFP4) and prefill of BF16 Qwen3-30B-A3B (its experts through cuBLASLt)
 #   portable  the GB10 path on this GPU (NIBBLE_WGMMA=0: the mma.sync tiles): nibble_gemm_bench ${NIBBLE_GEMM_ARGS},
 #           pp2048 of both gpt-oss configs, and nibble_gemm_bench --quick at GB10's 2 stages (NIBBLE_WSP_STAGES=2)
 #   tgenv   tg128 once per setting in NIBBLE_TG_ENVS (e.g. "- NIBBLE_L2_PREFETCH=0 NIBBLE_L2_PREFETCH=0,NIBBLE_FUSED_HEAD=0":
@@ -110,7 +112,7 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
   git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null
   tree_hash >"$OUT/tree.txt"
   echo "source fingerprint (scripts/gpu-check.sh --tree-hash): $(cat "$OUT/tree.txt")"
-  for b in ${NIBBLE_BENCHES:-kernel kbase khilo tg tgbase tghilo pp gemm portable attn}; do
+  for b in ${NIBBLE_BENCHES:-kernel kbase khilo tg tgbase tghilo pp models gemm portable attn}; do
     case $b in
       kernel) bench kernel_bench 200 "$B"/src/nibble_kernel_bench ;;
       kbase) bench kernel_base 200 env NIBBLE_FP4_STREAM=0 NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
@@ -133,6 +135,11 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
           bench "e2e_pp_$acts" 150 "$B"/src/nibble_e2e_bench --no-tg --pp 512,2048,8192 --max-seconds 20 \
             --gemm-acts "$acts" configs/gpt-oss-20b configs/gpt-oss-120b
         done ;;
+      models)
+        bench e2e_models 240 "$B"/src/nibble_e2e_bench --pp 512,2048,8192 --dense-formats keep \
+          configs/Llama-3.1-8B-NVFP4 configs/Qwen3-30B-A3B-NVFP4
+        bench e2e_qwen3_bf16 150 "$B"/src/nibble_e2e_bench --no-tg --pp 512,2048,8192 --max-seconds 20 \
+          configs/Qwen3-30B-A3B ;;
       gemm) bench gemm_bench 300 "$B"/src/nibble_gemm_bench ${NIBBLE_GEMM_ARGS:-} ;;
       attn) bench attention_bench 200 "$B"/src/nibble_attention_bench ;;
       portable)

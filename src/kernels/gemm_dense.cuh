@@ -36,6 +36,12 @@ class DenseGemm {
   static int64_t scratch_bytes(int64_t m, int64_t k) { return 2 * m * k * 2; }
   // Enqueues y = x w^T (+ bias) on `s`. x [m, k] fp32, y [m, n] fp32, bias [n] or null.
   void run(const DevWeight& w, const float* x, int64_t m, const float* bias, float* y, void* scratch, cudaStream_t s);
+  // run's two steps, for slices of one activation matrix multiplied by different weights (the MoE experts'
+  // rows): split x [m, k] into scratch (scratch_bytes(m, k)) once, then y = rows [r0, r0 + rows) of it times
+  // w^T (+ bias), y [rows, n].
+  void split(const float* x, int64_t m, int64_t k, void* scratch, cudaStream_t s);
+  void run_split(const DevWeight& w, const void* scratch, int64_t m, int64_t r0, int64_t rows, const float* bias,
+                 float* y, cudaStream_t s);
 
  private:
   struct Impl;

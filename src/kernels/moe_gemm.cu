@@ -228,9 +228,11 @@ __global__ void __launch_bounds__(wg::kThreads, wg::Tile<kBM, kSplit>::kMinBlock
   });
 }
 
-// y[t, c] = sum over i in choice order of y_slot[slot_of[t * top_k + i], c]; float4 per thread.
-__global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* __restrict__ slot_of, int n_tokens,
-                               int top_k, int n, float* __restrict__ y) {
+// y[t, c] = sum over i in choice order of w_i * y_slot[slot_of[t * top_k + i], c], w_i = weights[t * top_k + i]
+// (null: 1, the FP4 tiles' FC2 epilogue has applied it); float4 per thread.
+__global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* __restrict__ slot_of,
+                               const float* __restrict__ weights, int n_tokens, int top_k, int n,
+                               float* __restrict__ y) {
   const int q = n / 4;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<int64_t>(n_tokens) * q) return;
@@ -238,9 +240,24 @@ __global__ void combine_kernel(const float* __restrict__ y_slot, const int32_t* 
   float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int k = 0; k < top_k; ++k) {
     const float4 v = reinterpret_cast<const float4*>(y_slot + static_cast<int64_t>(slot_of[t * top_k + k]) * n)[c];
-    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    const float w = weights ? weights[t * top_k + k] : 1.0f;
+    s.x += w * v.x, s.y += w * v.y, s.z += w * v.z, s.w += w * v.w;
   }
   reinterpret_cast<float4*>(y + static_cast<int64_t>(t) * n)[c] = s;
+}
+
+// act[r, j] = glu(gate, up) of row r of h [rows, 2 d] in the checkpoint's layout (interleaved: gate 2j, up
+// 2j + 1; halves: gate j, up d + j): the BF16 experts' FC1 outputs (cuBLASLt adds the bias).
+__global__ void moe_glu_kernel(const float* __restrict__ h, int64_t rows, int d, Glu glu, float limit,
+                               float* __restrict__ act) {
+  const bool inter = glu == Glu::kSiluInterleaved || glu == Glu::kGptOssInterleaved;
+  const bool gpt_oss = glu == Glu::kGptOssInterleaved || glu == Glu::kGptOssHalves;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * d; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / d;
+    const int j = static_cast<int>(i % d);
+    const float* hr = h + r * 2 * d;
+    act[i] = glu_value(inter ? hr[2 * j] : hr[j], inter ? hr[2 * j + 1] : hr[d + j], gpt_oss, limit);
+  }
 }
 
 // The FC1 weight row of tile row c for outputs from n0 (the portable and the sm_90a warp-specialized tiles): the
@@ -997,8 +1014,25 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
     }
   }
   const int64_t quads = n_tokens * (t.d_model / 4);
-  combine_kernel<<<ceil_div(quads, 256), 256, 0, s>>>(ws.y_slot, ws.slot_of, static_cast<int>(n_tokens), top_k,
+  combine_kernel<<<ceil_div(quads, 256), 256, 0, s>>>(ws.y_slot, ws.slot_of, nullptr, static_cast<int>(n_tokens), top_k,
                                                       t.d_model, y);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_moe_glu(const float* h, int64_t rows, int d_expert, Glu glu, float limit, float* act, cudaStream_t s) {
+  if (rows == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(rows * d_expert, int64_t{256}), 4096));
+  moe_glu_kernel<<<blocks, 256, 0, s>>>(h, rows, d_expert, glu, limit, act);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_moe_combine(const float* y_slot, const int32_t* slot_of, const float* weights, int64_t n_tokens,
+                        int top_k, int n, float* y, cudaStream_t s) {
+  NB_CHECK(n % 4 == 0, "moe combine: n = " + std::to_string(n) + " is not a multiple of 4");
+  const int64_t quads = n_tokens * (n / 4);
+  if (quads == 0) return;
+  combine_kernel<<<ceil_div(quads, int64_t{256}), 256, 0, s>>>(y_slot, slot_of, weights, static_cast<int>(n_tokens),
+                                                                top_k, n, y);
   CUDA_CHECK(cudaGetLastError());
 }
 

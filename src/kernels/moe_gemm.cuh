@@ -42,4 +42,12 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
                      const float* x, Glu glu, float limit, GemmActs mode, const MoeGemmScratch& ws, float* y,
                      cudaStream_t s);
 
+// BF16 experts at prefill (the backend groups the pairs on the host and runs each expert's FC1 and FC2 through
+// cuBLASLt, gemm_dense.cuh); the two steps around those GEMMs:
+// act [rows, d_expert] = glu of h [rows, 2 d_expert] (FC1's outputs, biases added) in `glu`'s layout.
+void launch_moe_glu(const float* h, int64_t rows, int d_expert, Glu glu, float limit, float* act, cudaStream_t s);
+// y [n_tokens, n] = sum over i in choice order of weights[t, i] * y_slot[slot_of[t * top_k + i]] (weights null: 1).
+void launch_moe_combine(const float* y_slot, const int32_t* slot_of, const float* weights, int64_t n_tokens,
+                        int top_k, int n, float* y, cudaStream_t s);
+
 }  // namespace nb::cuda

@@ -57,7 +57,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes),
-  // NIBBLE_FUSED_HEAD (::fused_head) and NIBBLE_O_STAGED (::stage_o_input). A test switch: NIBBLE_STREAM_SMS,
+  // NIBBLE_FUSED_HEAD (::fused_head), NIBBLE_O_STAGED (::stage_o_input) and NIBBLE_MOE_DENSE_GEMM
+  // (::moe_dense_gemm). A test switch: NIBBLE_STREAM_SMS,
   // a positive SM count (the one-token FP4 kernels' grids sized for at most that many SMs). Measurement switches read by the GEMM
   // launchers: NIBBLE_WSP_STAGES (2: the portable warp-specialized tile at GB10's depth),
   // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile), NIBBLE_MOE_WSR (the sm_90a MoE GEMMs' register-fragment
@@ -80,6 +81,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* defer_routes, env_choice("NIBBLE_DEFER_ROUTES", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fused_head, env_choice("NIBBLE_FUSED_HEAD", "0", "1"));
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* o_staged, env_choice("NIBBLE_O_STAGED", "0", "1"));
+  NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* moe_dense, env_choice("NIBBLE_MOE_DENSE_GEMM", "0", "1"));
   if (const char* v = std::getenv("NIBBLE_STREAM_SMS")) {
     char* end = nullptr;
     const long n = std::strtol(v, &end, 10);
@@ -129,6 +131,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     if (defer_routes) co.defer_routes = std::string(defer_routes) == "1";
     if (fused_head) co.fused_head = std::string(fused_head) == "1";
     if (o_staged) co.stage_o_input = std::string(o_staged) == "1";
+    if (moe_dense) co.moe_dense_gemm = std::string(moe_dense) == "1";
     if (options.prefill_attention_min_tokens > 0) co.prefill_attention_min_tokens = options.prefill_attention_min_tokens;
     NB_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> cuda, CudaBackend::create(co));
     if (!options.dummy_weights) {

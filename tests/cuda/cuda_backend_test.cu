@@ -326,6 +326,18 @@ TEST_F(CudaOps, EmbeddingNormRopeElementwise) {
   expect_close(cpu_.to_host(ca), gpu_->to_host(ga), {0.0f}, "add");
   expect_close(cpu_.to_host(cpu_.gather_rows(cpu_t(x, {12, 64}), {11, 0, 5})),
                gpu_->to_host(gpu_->gather_rows(gpu_t(x, {12, 64}), {11, 0, 5})), {0.0f}, "gather_rows");
+  // Rows of 3 floats (12 bytes: the byte-wise copy), and more rows than a grid's y dimension holds (the BF16
+  // MoE path gathers n_tokens * top_k rows: 65536 at pp8192 top 8).
+  std::vector<int32_t> many(70001);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = static_cast<int32_t>((i * 7) % 256);
+  expect_close(cpu_.to_host(cpu_.gather_rows(cpu_t(x, {256, 3}), many)),
+               gpu_->to_host(gpu_->gather_rows(gpu_t(x, {256, 3}), many)), {0.0f}, "gather_rows, 12-byte rows");
+  expect_close(cpu_.to_host(cpu_.gather_rows(cpu_t(x, {192, 4}), {191, 3, 100})),
+               gpu_->to_host(gpu_->gather_rows(gpu_t(x, {192, 4}), {191, 3, 100})), {0.0f}, "gather_rows, 16-byte rows");
+  std::vector<int32_t> many4(70001);
+  for (size_t i = 0; i < many4.size(); ++i) many4[i] = static_cast<int32_t>((i * 13) % 192);
+  expect_close(cpu_.to_host(cpu_.gather_rows(cpu_t(x, {192, 4}), many4)),
+               gpu_->to_host(gpu_->gather_rows(gpu_t(x, {192, 4}), many4)), {0.0f}, "gather_rows, 70001 rows");
 }
 
 // Two sequences over scrambled blocks, long enough to split the context; sinks and a sliding window.

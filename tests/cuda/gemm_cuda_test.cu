@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
 #include "backend/cpu/cpu_backend.h"
@@ -24,7 +25,7 @@ using test::HostBytes;
 using test::randn;
 using test::rng;
 
-// A random FP4 weight [n, k] in `parts` row parts. NVFP4 parts get their own global scale and alternate
+// A random FP4 (or BF16) weight [n, k] in `parts` row parts. NVFP4 parts get their own global scale and alternate
 // conventions (multiply, divide). extreme: MXFP4 block exponents spread over the range the GEMM folds
 // exactly into fp16 (2^-23 .. 2^13, gemm_fp4_tile.cuh).
 Weight make_fp4(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int parts, bool extreme = false) {
@@ -37,7 +38,14 @@ Weight make_fp4(HostBytes& hb, WeightFormat format, int64_t n, int64_t k, int pa
     p.rows = n / parts + (pi == parts - 1 ? n % parts : 0);
     const int64_t rows = p.rows;
     const std::vector<float> x = randn(rows * k, 0.05f);
-    if (format == WeightFormat::kMXFP4) {
+    if (format == WeightFormat::kBF16) {  // (MoE experts kept in BF16: the grouped cuBLASLt path)
+      std::vector<uint8_t> b(rows * k * 2);
+      for (int64_t i = 0; i < rows * k; ++i) {
+        const uint16_t h = fmt::float_to_bf16(x[i]);
+        std::memcpy(&b[i * 2], &h, 2);
+      }
+      p.data = hb.add(std::move(b), DType::kBF16, {rows, k});
+    } else if (format == WeightFormat::kMXFP4) {
       std::vector<uint8_t> codes(rows * k / 2), scales(rows * k / 32);
       for (int64_t b = 0; b < rows * k / 32; ++b) {
         scales[b] = fmt::mxfp4_encode_block(&x[b * 32], &codes[b * 16]);
@@ -313,6 +321,14 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
       // gpt-oss GLU with d_ff % 64 == 0: on sm_90a FC1 writes FC2's fp16 activations itself (moe_gemm.cu).
       {"mxfp4 halves gpt-oss, d_ff 128, 300 tokens x 2 on 4 experts", WeightFormat::kMXFP4, 4, 2, 300, 128, 128,
        GluLayout::kHalves, true, true, 4},
+      // BF16 experts (Qwen3-MoE's unquantized checkpoints): grouped on the host, each expert through cuBLASLt.
+      // FC1 as two parts (gate, up) in the halves layout, as qwen3_moe's loader fuses them.
+      {"bf16 halves silu, 16 experts top 4, 150 tokens", WeightFormat::kBF16, 16, 4, 150, 128, 96, GluLayout::kHalves,
+       false, false, 16},
+      {"bf16 interleaved gpt-oss, experts 5.. idle", WeightFormat::kBF16, 8, 2, 70, 64, 96, GluLayout::kInterleaved,
+       true, true, 5},
+      {"bf16 halves silu, all tokens on expert 2", WeightFormat::kBF16, 4, 1, 70, 64, 64, GluLayout::kHalves, false,
+       true, -1},
   };
   for (const Case& c : cases) {
     MoeExperts ex;
@@ -320,7 +336,8 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
     ex.d_expert = c.d_ff;
     ex.layout = c.layout;
     for (int e = 0; e < c.E; ++e) {
-      ex.fc1.push_back(make_fp4(hb_, c.f, 2 * c.d_ff, c.d_model, c.f == WeightFormat::kNVFP4 ? 2 : 1));
+      const bool two = c.f == WeightFormat::kNVFP4 || (c.f == WeightFormat::kBF16 && c.layout == GluLayout::kHalves);
+      ex.fc1.push_back(make_fp4(hb_, c.f, 2 * c.d_ff, c.d_model, two ? 2 : 1));
       ex.fc2.push_back(make_fp4(hb_, c.f, c.d_model, c.d_ff, 1));
       upload(ex.fc1.back());
       upload(ex.fc2.back());
@@ -355,7 +372,9 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
       // Two fp16 roundings (x, then the GLU output), each <= eps relative per element, enter sums of
       // random-sign terms; 64 eps of the output's scale bounds them (GLU slopes stay below ~4 here),
       // plus fp32 order (k 2^-23 relative, k <= 320).
-      const float tol = static_cast<float>(scale * (64 * eps(mode) + 4e-5) + 1e-6);
+      // BF16 experts take bf16 hi + lo activations (~16 bits) in either mode.
+      const double e = c.f == WeightFormat::kBF16 ? std::ldexp(1.0, -16) : eps(mode);
+      const float tol = static_cast<float>(scale * (64 * e + 4e-5) + 1e-6);
       expect_close(want, got, {tol}, c.d_model, std::string(c.name) + (mode ? " fp16" : " hi+lo"));
     }
   }

@@ -1055,12 +1055,88 @@ Tensor CudaBackend::moe_fc2(const Tensor& act, const Routes& routes, const MoeEx
   return y;
 }
 
+// Prefill with BF16 experts (Qwen3-MoE and other unquantized MoE checkpoints): the CPU reference's shape on
+// the GPU. The pairs (token, choice) are grouped by expert on the host -- one stream sync per MoE layer for
+// the routes; prefill steps are never graph-captured (Model::run_step) -- then each routed expert's rows go
+// through FC1 and FC2 as cuBLASLt GEMMs (bf16 hi + lo activations, as every BF16 prefill linear), with one
+// GLU launch between and one weighted, choice-ordered combine after (deterministic). The per-token expert
+// kernels this replaces re-read every routed expert's weights for each chunk of 4 tokens.
+static bool dense_experts_ok(CudaBackend::Impl& I, const MoeExperts& ex) {
+  if (ex.fc1.empty() || ex.d_expert % 4 != 0) return false;
+  for (int e = 0; e < ex.n_experts; ++e)
+    if (!cuda::DenseGemm::supports(I.dev_weight(ex.fc1[e])) || !cuda::DenseGemm::supports(I.dev_weight(ex.fc2[e])))
+      return false;
+  return true;
+}
+
+static Tensor moe_experts_dense(CudaBackend& be, CudaBackend::Impl& I, const Tensor& x, const Routes& routes,
+                                const MoeExperts& ex, cuda::Glu glu, float limit) {
+  const int64_t n_tokens = x.dim(0), d_model = x.dim(1), top_k = routes.ids.dim(1), n_pairs = n_tokens * top_k;
+  const int64_t d_ff = ex.d_expert;
+  // Group the pairs (p = t * top_k + i) by expert, in pair order within an expert as the CPU reference does:
+  // pair p goes to slot slot_of[p] (the combine reads it back), slot s holds a row of token token_of[s].
+  std::vector<int32_t> ids(static_cast<size_t>(n_pairs));
+  CUDA_CHECK(cudaMemcpyAsync(ids.data(), routes.ids.data<int32_t>(), n_pairs * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, I.stream));
+  CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  std::vector<int64_t> first(ex.n_experts + 1, 0);
+  for (int32_t e : ids) {
+    NB_CHECK(e >= 0 && e < ex.n_experts, "moe_experts: expert id " + std::to_string(e) + " out of range");
+    ++first[e + 1];
+  }
+  for (int e = 0; e < ex.n_experts; ++e) first[e + 1] += first[e];
+  std::vector<int32_t> token_of(n_pairs), slot_of(n_pairs);
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const int64_t s = next[ids[p]]++;
+    slot_of[p] = static_cast<int32_t>(s);
+    token_of[s] = static_cast<int32_t>(p / top_k);
+  }
+  const Tensor xs = be.gather_rows(x, token_of);  // [n_pairs, d_model] in slot order
+  const Tensor d_slot_of = I.upload_i32(slot_of);
+  Tensor h = be.alloc(DType::kF32, {n_pairs, 2 * d_ff});    // FC1 + bias, slot order
+  Tensor act = be.alloc(DType::kF32, {n_pairs, d_ff});      // glu(h)
+  Tensor ys = be.alloc(DType::kF32, {n_pairs, d_model});    // FC2 + bias, slot order
+  // bf16 hi + lo of all the rows at once, then one GEMM pair per routed expert on its slice.
+  Tensor scratch = be.alloc(DType::kU8, {cuda::DenseGemm::scratch_bytes(n_pairs, std::max(d_model, d_ff))});
+  if (!I.dense_gemm) I.dense_gemm = std::make_unique<cuda::DenseGemm>();
+  cuda::DenseGemm& gemm = *I.dense_gemm;
+  const float* b1 = ex.fc1_bias.empty() ? nullptr : ex.fc1_bias.data<float>();
+  const float* b2 = ex.fc2_bias.empty() ? nullptr : ex.fc2_bias.data<float>();
+  gemm.split(xs.data<float>(), n_pairs, d_model, scratch.data<uint8_t>(), I.stream);
+  for (int e = 0; e < ex.n_experts; ++e) {  // FC1 of each routed expert
+    const int64_t r0 = first[e], m = first[e + 1] - r0;
+    if (m > 0)
+      gemm.run_split(I.dev_weight(ex.fc1[e]), scratch.data<uint8_t>(), n_pairs, r0, m,
+                     b1 ? b1 + e * 2 * d_ff : nullptr, h.data<float>() + r0 * 2 * d_ff, I.stream);
+  }
+  cuda::launch_moe_glu(h.data<float>(), n_pairs, static_cast<int>(d_ff), glu, limit, act.data<float>(), I.stream);
+  gemm.split(act.data<float>(), n_pairs, d_ff, scratch.data<uint8_t>(), I.stream);
+  for (int e = 0; e < ex.n_experts; ++e) {  // FC2
+    const int64_t r0 = first[e], m = first[e + 1] - r0;
+    if (m > 0)
+      gemm.run_split(I.dev_weight(ex.fc2[e]), scratch.data<uint8_t>(), n_pairs, r0, m,
+                     b2 ? b2 + e * d_model : nullptr, ys.data<float>() + r0 * d_model, I.stream);
+  }
+  Tensor y = be.alloc(DType::kF32, {n_tokens, d_model});
+  cuda::launch_moe_combine(ys.data<float>(), d_slot_of.data<int32_t>(), routes.weights.data<float>(), n_tokens,
+                           static_cast<int>(top_k), static_cast<int>(d_model), y.data<float>(), I.stream);
+  return y;
+}
+
 Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const MoeExperts& ex, const GluParams& glu) {
   const int64_t n_tokens = x.dim(0), top_k = deferred.ids.dim(1);
   const ExpertDev& d = impl_->expert_tables(ex);
   if (logits_routes(deferred, d.table) && n_tokens == 1) return moe_fc2(moe_fc1(x, deferred, ex, glu), deferred, ex);
   const Routes routes = resolve_routes(deferred);
   const int min_t = impl_->options.moe_gemm_min_tokens > 0 ? impl_->options.moe_gemm_min_tokens : kMoeGemmMinTokens;
+  const bool inter = ex.layout == GluLayout::kInterleaved;
+  const cuda::Glu g = glu.activation == Activation::kGptOssClamped
+                          ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
+                          : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
+  if (n_tokens >= min_t && d.table.kind == WKind::kBF16 && impl_->options.moe_dense_gemm &&
+      dense_experts_ok(*impl_, ex))
+    return moe_experts_dense(*this, *impl_, x, routes, ex, g, glu.limit);
   if (n_tokens < min_t || !d.table.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
   check_f32(x, "moe_experts");
@@ -1069,10 +1145,6 @@ Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const M
   Tensor scratch = alloc(DType::kU8, {cuda::moe_gemm_scratch_bytes(d.table, n_tokens * top_k, mode)});
   const cuda::MoeGemmScratch ws = cuda::moe_gemm_scratch_in(scratch.data<uint8_t>(), d.table, n_tokens * top_k, mode);
   Tensor y = alloc(DType::kF32, {n_tokens, d.table.d_model});
-  const bool inter = ex.layout == GluLayout::kInterleaved;
-  const cuda::Glu g = glu.activation == Activation::kGptOssClamped
-                          ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
-                          : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
   cuda::launch_moe_gemm(d.table, routes.ids.data<int32_t>(), routes.weights.data<float>(), n_tokens,
                         static_cast<int>(top_k), x.data<float>(), g, glu.limit, mode, ws, y.data<float>(),
                         impl_->stream);

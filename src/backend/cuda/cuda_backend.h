@@ -67,6 +67,9 @@ struct CudaBackendOptions {
   // one-token FP4 O projection stages its input (cuda::AttnShape::stage_planes), which then copies it
   // (NIBBLE_O_STAGED=0: the O kernel stages the fp32 output itself, a benchmark baseline).
   bool stage_o_input = true;
+  // Prefill MoE layers with BF16 experts (from moe_gemm_min_tokens): each routed expert's rows through
+  // cuBLASLt, grouped on the host (NIBBLE_MOE_DENSE_GEMM=0: the per-token expert kernels, a baseline).
+  bool moe_dense_gemm = true;
 };
 
 struct CudaLoadStats {
