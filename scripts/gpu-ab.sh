@@ -14,6 +14,7 @@
 #   NIBBLE_AB_SKIP_BASE=1    no base tree (no ab-base/ needed): this tree and its variants only, e.g. a stamps
 #                            build beside the plain one
 #   NIBBLE_AB_GEMM_ARGS      also build and run nibble_gemm_bench with these arguments (e.g. --quick)
+#   NIBBLE_AB_ATTN_ARGS      also build and run nibble_attention_bench with these arguments (e.g. --quick)
 #   NIBBLE_AB_E2E_ARGS=-     no nibble_e2e_bench
 # Prints, per round, the base tree's rows then this tree's.
 set -uo pipefail
@@ -37,6 +38,7 @@ export CPATH=$ROOT/usr/include:${CPATH:-} PKG_CONFIG_PATH=$ROOT/usr/lib/x86_64-l
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 targets=(--target nibble_e2e_bench --target nibble_kernel_bench)
 [ -n "${NIBBLE_AB_GEMM_ARGS+x}" ] && targets+=(--target nibble_gemm_bench)
+[ -n "${NIBBLE_AB_ATTN_ARGS+x}" ] && targets+=(--target nibble_attention_bench)
 # The base tree: this one with src/ and bench/ replaced.
 base=/tmp/ab-base-tree
 if [ "$skip_base" = 1 ]; then
@@ -102,6 +104,10 @@ for r in $(seq "$rounds"); do
     if [ -n "${NIBBLE_AB_GEMM_ARGS+x}" ]; then
       read -r -a gargs <<<"$NIBBLE_AB_GEMM_ARGS"
       "$b"/src/nibble_gemm_bench "${gargs[@]}" 2>&1 | grep -E "^\| [a-z]" | grep -vE "^\| (projection|model|op) "
+    fi
+    if [ -n "${NIBBLE_AB_ATTN_ARGS+x}" ]; then
+      read -r -a aargs <<<"$NIBBLE_AB_ATTN_ARGS"
+      "$b"/src/nibble_attention_bench "${aargs[@]}" 2>&1 | grep -E "^\| (pp|[0-9])"
     fi
     [ "${NIBBLE_AB_E2E_ARGS:-}" = - ] || "$b"/src/nibble_e2e_bench "${e2e[@]}" 2>&1 | grep -E "^\| configs|^stamps"
   done

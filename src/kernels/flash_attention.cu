@@ -1,7 +1,6 @@
-// Prefill attention; see flash_attention.cuh. Block = 8 warps = 128 query rows (4 warps for head_dim
-// 128); row r is token
+// Prefill attention; see flash_attention.cuh. Block = 8 warps = 128 query rows; row r is token
 // r / group of the tile and head kv_head * group + r % group, so every row of a block reads the same K/V.
-// Per 64-key tile: the block converts K and V from the cache into padded shared memory, each warp computes
+// Per 64-key tile (32 for FP8 / fp32 tiles of 128 operand elements a row): the block converts K and V from the cache into padded shared memory, each warp computes
 // S = Q K^T for its 16 rows (mma m16n8k16, fp32 accumulate), masks (causal, window), updates its online
 // softmax (max, sum in fp32, base-2 exponent) and adds P V (P from the S accumulators, V through
 // ldmatrix.trans). Operand types by cache kind:
@@ -24,9 +23,11 @@ namespace nb::cuda {
 namespace {
 
 // Warps per block (16 query rows each). Every row of a block shares each K/V tile, so more rows means
-// fewer tile reads from L2 per FLOP (gpt-oss pp2048 with 64 rows: ~0.5 GB of L2 reads per full layer);
-// 8 warps for head_dim <= 64 (<= 128 registers with one plane, two blocks per SM), 4 for 128 (~175).
-constexpr int warps_for(int head_dim) { return head_dim <= 64 ? 8 : 4; }
+// fewer tile reads from L2 per FLOP (gpt-oss pp2048 with 64 rows: ~0.5 GB of L2 reads per full layer).
+// 8 at every head_dim: at head_dim 64, <= 128 registers with one plane and two blocks per SM; at 128, ~220
+// registers and one block (thirty-second session: 8 warps and 64-key BF16 tiles against 4 and 32, head_dim
+// 128 pp2048 / pp8192 130 -> 166 / 141 -> 188 TFLOP/s, bench/NOTES.md).
+constexpr int kWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Operand element type and number of bf16 planes for a cache kind.
@@ -107,8 +108,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
-// Tile geometry. kN keys per tile: 64, or 32 where a tile row is 128 operand elements or more (registers
-// for S, and two 64-key BF16 tiles of head_dim 128 would pass 48 KB of static shared memory). Rows of
+// Tile geometry. kN keys per tile: 64, or 32 where a converted (FP8, fp32) tile row is 128 operand elements or
+// more (registers for S; BF16 at head_dim 128 keeps 64: two 64-key K and V buffers, 68 KiB of dynamic shared
+// memory, one block per SM at its ~220 registers). Rows of
 // shared memory are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches
 // fall on distinct banks. The BF16 cache (bytes copied as they are) fills the next tile's buffer with
 // cp.async while the current one is computed; FP8 and fp32 convert through registers into one buffer.
@@ -117,12 +119,13 @@ struct Tile {
   using T = typename Operand<K>::T;
   static constexpr int kPlanes = Operand<K>::kPlanes;
   static constexpr bool kAsync = K == KvKind::kBF16;
-  static constexpr int kN = D * kPlanes >= 128 ? 32 : 64;
+  static constexpr int kN = kAsync || D * kPlanes < 128 ? 64 : 32;
   static constexpr int kStride = D + 8;
   static constexpr int kElems = kPlanes * kN * kStride;  // one buffer of K (or V)
   static constexpr int kBuffers = kAsync ? 2 : 1;
-  static constexpr int kWarps = warps_for(D), kThreads = kWarps * 32, kRows = kWarps * 16;
+  static constexpr int kThreads = kWarps * 32, kRows = kWarps * 16;
   static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
+  static constexpr int kSmemBytes = 2 * kBuffers * kElems * static_cast<int>(sizeof(T));  // K and V, dynamic
   static_assert(D % 16 == 0 && kN % 16 == 0);
 };
 
@@ -271,8 +274,9 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   using T = typename G::T;
   constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
   constexpr int kTile = G::kElems;
-  __shared__ __align__(16) T ks[G::kBuffers * kTile];
-  __shared__ __align__(16) T vs[G::kBuffers * kTile];
+  extern __shared__ __align__(16) unsigned char fa_smem[];  // K buffers, then V buffers (G::kSmemBytes)
+  T* ks = reinterpret_cast<T*>(fa_smem);
+  T* vs = ks + G::kBuffers * kTile;
 
   const int group = a.n_heads / a.n_kv_heads, per_tile = kRows / group, kvh = blockIdx.y;
   // Which sequence and which of its token tiles this block takes: the last tiles first, since in a
@@ -399,8 +403,16 @@ template <KvKind K, int D>
 void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
   using E = typename KvElem<K>::T;
+  constexpr int kSmem = Tile<K, D>::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {  // past the default dynamic limit: opt in once per instance
+    static const bool opted = [] {
+      CUDA_CHECK(cudaFuncSetAttribute(flash_attention_kernel<K, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      return true;
+    }();
+    (void)opted;
+  }
   launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads),
-             Tile<K, D>::kThreads, 0, s, q, static_cast<const E*>(kc), static_cast<const E*>(vc), b,
+             Tile<K, D>::kThreads, kSmem, s, q, static_cast<const E*>(kc), static_cast<const E*>(vc), b,
              seq_begin, n_seqs, min_new, a, out);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -425,11 +437,11 @@ void launch_kind(const float* q, const void* kc, const void* vc, const DevBatch&
 bool flash_attention_supported(const AttnShape& a) {
   const bool dim = a.head_dim == 16 || a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128;
   return dim && a.n_kv_heads > 0 && a.n_heads % a.n_kv_heads == 0 &&
-         a.n_heads / a.n_kv_heads <= 16 * warps_for(a.head_dim);
+         a.n_heads / a.n_kv_heads <= 16 * kWarps;
 }
 
 int64_t flash_attention_tiles(const std::vector<int32_t>& n_new, int min_new, const AttnShape& a) {
-  const int per_tile = 16 * warps_for(a.head_dim) / (a.n_heads / a.n_kv_heads);
+  const int per_tile = 16 * kWarps / (a.n_heads / a.n_kv_heads);
   int64_t n = 0;
   for (int32_t t : n_new)
     if (t >= min_new) n += (t + per_tile - 1) / per_tile;

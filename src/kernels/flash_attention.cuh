@@ -16,7 +16,7 @@
 namespace nb::cuda {
 
 // Whether launch_flash_attention takes this shape: head_dim 16, 32, 64 or 128 and at most one tile's rows
-// (128, or 64 at head_dim 128) of query heads per KV head. Other shapes stay on launch_attention.
+// (128) of query heads per KV head. Other shapes stay on launch_attention.
 bool flash_attention_supported(const AttnShape& a);
 
 // Blocks the launch needs for the sequences with at least min_new of these numbers of new tokens (one
