@@ -380,6 +380,52 @@ TEST_F(PrefillGemm, MoeGroupedMatchesCpu) {
   }
 }
 
+// BF16 experts inside a CUDA graph capture (a decode graph when the GEMMs are forced from one token): the
+// cuBLASLt path's host sync cannot be captured, so the backend keeps the per-token expert kernels there. The
+// graph's result against the CPU reference, after one eager call (the expert tables, as run_graphed warms up).
+TEST_F(PrefillGemm, MoeBf16ExpertsUnderGraphCapture) {
+  const int E = 4, top_k = 2, T = 8, d_model = 64, d_ff = 64;
+  MoeExperts ex;
+  ex.n_experts = E;
+  ex.d_expert = d_ff;
+  ex.layout = GluLayout::kHalves;
+  for (int e = 0; e < E; ++e) {
+    ex.fc1.push_back(make_fp4(hb_, WeightFormat::kBF16, 2 * d_ff, d_model, 2));
+    ex.fc2.push_back(make_fp4(hb_, WeightFormat::kBF16, d_model, d_ff, 1));
+    upload(ex.fc1.back());
+    upload(ex.fc2.back());
+  }
+  std::vector<int32_t> ids(T * top_k);
+  std::vector<float> wts(T * top_k);
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < top_k; ++i) ids[t * top_k + i] = (t + 3 * i) % E, wts[t * top_k + i] = 0.25f + 0.1f * i;
+  const std::vector<float> x = randn(T * d_model, 2.0f);
+  const std::vector<float> want =
+      cpu_.to_host(cpu_.moe_experts(cpu_t(x, {T, d_model}), routes_on(cpu_, ids, wts, T, top_k), ex, GluParams{}));
+  CudaBackend& g = *gpu_[0];
+  const Tensor gx = g.upload(TensorView{x.data(), DType::kF32, {T, d_model}});
+  const Routes r = routes_on(g, ids, wts, T, top_k);
+  const std::vector<float> eager = g.to_host(g.moe_experts(gx, r, ex, GluParams{}));  // the cuBLASLt path
+  ASSERT_TRUE(g.synchronize().ok());
+  auto st = static_cast<cudaStream_t>(g.stream());
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const Tensor y = g.moe_experts(gx, r, ex, GluParams{});
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  const std::vector<float> got = g.to_host(y);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  float scale = 0;
+  for (float v : want) scale = std::max(scale, std::abs(v));
+  const float tol = static_cast<float>(scale * (64 * std::ldexp(1.0, -16) + 4e-5) + 1e-6);
+  expect_close(want, eager, {tol}, d_model, "bf16 experts, eager");
+  expect_close(want, got, {tol}, d_model, "bf16 experts, captured");
+}
+
 // The MoE grouped GEMMs with FP8 activations (gemm_fp8_activations: moe_gemm.cu moe_wsr8_kernel) against an
 // emulation: per pair, FC1 from the E4M3-rounded token row and weights (as Fp8ActivationsMatchTheirEmulation),
 // bias, the GLU, the GLU row rounded to E4M3 at its own power-of-two scale, FC2, bias, times the routing weight,

@@ -1135,8 +1135,12 @@ Tensor CudaBackend::moe_experts(const Tensor& x, const Routes& deferred, const M
                           ? (inter ? cuda::Glu::kGptOssInterleaved : cuda::Glu::kGptOssHalves)
                           : (inter ? cuda::Glu::kSiluInterleaved : cuda::Glu::kSiluHalves);
   if (n_tokens >= min_t && d.table.kind == WKind::kBF16 && impl_->options.moe_dense_gemm &&
-      dense_experts_ok(*impl_, ex))
-    return moe_experts_dense(*this, *impl_, x, routes, ex, g, glu.limit);
+      dense_experts_ok(*impl_, ex)) {
+    // Its host sync cannot be captured: a decode graph (tests force the GEMMs from one token) keeps the kernels.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(impl_->stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) return moe_experts_dense(*this, *impl_, x, routes, ex, g, glu.limit);
+  }
   if (n_tokens < min_t || !d.table.vec_ok || !cuda::moe_gemm_supports(d.table)) return moe_fc2(moe_fc1(x, routes, ex, glu), routes, ex);
   // Prefill: the experts as grouped tensor-core GEMMs, scratch from the pool.
   check_f32(x, "moe_experts");
