@@ -129,6 +129,16 @@ struct Tile {
   static_assert(D % 16 == 0 && kN % 16 == 0);
 };
 
+// Four E4M3 codes (one word, code i in byte i) as fp16 bits, codes 0, 1 in `lo` and 2, 3 in `hi` (low half first).
+// Exact for every finite code: the sign stays the top bit, the 4 exponent and 3 mantissa bits land at fp16 bits
+// 7..13 (the value times 2^-8, subnormals included), then one multiply by 256. The NaN code 0x7F reads as 480
+// (the cache holds it only for a NaN activation; the per-element conversion before clamped it to 65504).
+__device__ __forceinline__ void fp8_pairs_to_half(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  const uint32_t p01 = __byte_perm(w, 0, 0x1404), p23 = __byte_perm(w, 0, 0x3424);  // code << 8 per half
+  lo = hmul2((p01 & 0x80008000u) | ((p01 >> 1) & 0x3f803f80u), 0x5c005c00u);      // 0x5c00 = 256
+  hi = hmul2((p23 & 0x80008000u) | ((p23 >> 1) & 0x3f803f80u), 0x5c005c00u);
+}
+
 // Converts keys [k0, k0 + kN) of one KV head from the cache into dst [kPlanes][kN][kStride]; keys past
 // `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
 // and waits).
@@ -151,6 +161,16 @@ __device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restric
     T* row = dst + key * kS + ch * kG;
     if constexpr (Tile<K, D>::kAsync) {
       cp_async16(row, src, kp <= last);  // the cache's bf16 bits are the operand
+    } else if constexpr (K == KvKind::kFP8) {
+      // 16 codes -> 16 fp16 operands by bit moves and one multiply per pair (fp8_pairs_to_half).
+      const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      uint4 h0, h1;
+      fp8_pairs_to_half(raw.x, h0.x, h0.y);
+      fp8_pairs_to_half(raw.y, h0.z, h0.w);
+      fp8_pairs_to_half(raw.z, h1.x, h1.y);
+      fp8_pairs_to_half(raw.w, h1.z, h1.w);
+      reinterpret_cast<uint4*>(row)[0] = h0;
+      reinterpret_cast<uint4*>(row)[1] = h1;
     } else {
       const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
       const Src* e = reinterpret_cast<const Src*>(&raw);
