@@ -613,5 +613,37 @@ TEST(ConfigTest, CommittedTinyCheckpoints) {
   if (loaded == 0) GTEST_SKIP() << "no checkpoints under " << models;
 }
 
+// The benchmark configs under configs/ (public config.json values; --dummy-weights builds models from them): each
+// loads, and the -NVFP4 ones are ModelOpt NVFP4 with lm_head and the MoE router kept BF16 and the rest quantized.
+TEST(ConfigTest, BenchmarkConfigs) {
+  namespace fs = std::filesystem;
+  const fs::path configs = fs::path(NIBBLE_SOURCE_DIR) / "configs";
+  int loaded = 0;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(configs, ec)) {
+    if (!fs::exists(de.path() / "config.json")) continue;
+    const std::string name = de.path().filename().string();
+    auto c = load_model_config(de.path().string());
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status().message();
+    const bool nvfp4 = name.size() > 6 && name.compare(name.size() - 6, 6, "-NVFP4") == 0;
+    const QuantMethod want = name.rfind("gpt-oss", 0) == 0 ? QuantMethod::kMxfp4
+                             : nvfp4                        ? QuantMethod::kModeloptNvfp4
+                                                            : QuantMethod::kNone;
+    EXPECT_EQ(c.value().quant.method, want) << name;
+    if (nvfp4) {
+      const QuantConfig& q = c.value().quant;
+      EXPECT_TRUE(is_module_excluded(q, "lm_head")) << name;
+      EXPECT_FALSE(is_module_excluded(q, "model.layers.3.self_attn.q_proj")) << name;
+      EXPECT_FALSE(is_module_excluded(q, "model.layers.3.mlp.down_proj")) << name;
+      if (c.value().n_experts > 0) {
+        EXPECT_TRUE(is_module_excluded(q, "model.layers.3.mlp.gate")) << name;
+        EXPECT_FALSE(is_module_excluded(q, "model.layers.3.mlp.experts.5.gate_proj")) << name;
+      }
+    }
+    ++loaded;
+  }
+  EXPECT_GE(loaded, 6) << "benchmark configs under " << configs;
+}
+
 }  // namespace
 }  // namespace nb
