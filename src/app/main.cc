@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"low", "medium", "high"}))->capture_default_str();
   run_cmd->add_flag("--dummy-weights", run.dummy_weights,
                    "Random weights generated from config.json alone (benchmarking shapes; no safetensors read)");
-  run_cmd->add_option("--dense-format", run.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
+  run_cmd->add_option("--dense-format", run.dense_format,
+                      "Re-quantize the BF16 attention projections and lm_head at load (CUDA)")
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   run_cmd->add_option("--kv-cache-dtype", run.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
@@ -81,7 +82,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   eval_cmd->add_option("--seq-len", eval.seq_len, "Split the tokens into independent sequences of N (0: one)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
-  eval_cmd->add_option("--dense-format", eval.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
+  eval_cmd->add_option("--dense-format", eval.dense_format,
+                      "Re-quantize the BF16 attention projections and lm_head at load (CUDA)")
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   eval_cmd->add_option("--kv-cache-dtype", eval.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
@@ -138,7 +140,8 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--allowed-origins", serve.allowed_origins, "CORS origins ('*': any; default: CORS off)");
   serve_cmd->add_option("--kv-cache-dtype", serve.kv_cache_dtype, "KV cache dtype (CUDA; the CPU backend keeps fp32)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "fp8_e4m3"}))->capture_default_str();
-  serve_cmd->add_option("--dense-format", serve.dense_format, "Re-quantize BF16 dense layers at load (CUDA)")
+  serve_cmd->add_option("--dense-format", serve.dense_format,
+                      "Re-quantize the BF16 attention projections and lm_head at load (CUDA)")
       ->check(CLI::IsMember({"keep", "fp8", "mxfp4", "nvfp4"}))->capture_default_str();
   serve_cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", serve.enable_prefix_caching,
                       "Reuse KV blocks of shared prompt prefixes")->capture_default_str();
