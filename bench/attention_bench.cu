@@ -153,7 +153,8 @@ int run(bool quick) {
 int main(int argc, char** argv) {
   const bool quick = argc == 2 && std::string(argv[1]) == "--quick";
   if (argc > 2 || (argc == 2 && !quick)) {
-    std::fprintf(stderr, "nibble_attention_bench: arguments: expected none or --quick\n");
+    std::fprintf(stderr, "nibble_attention_bench: arguments '%s%s': expected none or --quick\n", argv[1],
+                 argc > 2 ? " ..." : "");
     return 2;
   }
   return nb::run(quick);

@@ -252,6 +252,21 @@ def test_gemm_bench_rejects_bad_arguments(args, needles):
     assert_one_line_error(proc, *needles)
 
 
+ATTENTION_BENCH = pathlib.Path(NIBBLE).parent / "nibble_attention_bench"
+
+
+@pytest.mark.skipif(not ATTENTION_BENCH.exists(), reason="no CUDA build (nibble_attention_bench)")
+@pytest.mark.parametrize("args,needles", [
+    (["--fast"], ["'--fast'", "none or --quick"]),
+    (["--quick", "2048"], ["'--quick ...'", "none or --quick"]),
+])
+def test_attention_bench_rejects_bad_arguments(args, needles):
+    """The attention benchmark checks its arguments before touching a GPU: one line, exit 2."""
+    proc = subprocess.run([str(ATTENTION_BENCH), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, *needles)
+
+
 KERNEL_BENCH = pathlib.Path(NIBBLE).parent / "nibble_kernel_bench"
 
 
