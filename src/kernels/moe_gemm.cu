@@ -1013,10 +1013,7 @@ void launch_moe_gemm(const ExpertTable& t, const int32_t* ids, const float* weig
                 : projections<WKind::kNVFP4, false, 64, false>(t, weights, n_pairs, glu, limit, ws, s);
     }
   }
-  const int64_t quads = n_tokens * (t.d_model / 4);
-  combine_kernel<<<ceil_div(quads, 256), 256, 0, s>>>(ws.y_slot, ws.slot_of, nullptr, static_cast<int>(n_tokens), top_k,
-                                                      t.d_model, y);
-  CUDA_CHECK(cudaGetLastError());
+  launch_moe_combine(ws.y_slot, ws.slot_of, nullptr, n_tokens, top_k, t.d_model, y, s);  // (weights applied by FC2)
 }
 
 void launch_moe_glu(const float* h, int64_t rows, int d_expert, Glu glu, float limit, float* act, cudaStream_t s) {
