@@ -185,70 +185,111 @@ __device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restric
   }
 }
 
-// One K/V tile (keys k0.., in shared memory kb / vb) for a warp's 16 rows: S = Q K^T, the mask where
-// `masked` (causal and window per row; keys past the block's last are zeros and masked too), the online
-// softmax update and O += P V.
-template <KvKind K, int D>
+// 2^x by the SFU alone (ex2.approx.ftz: ~2 ulp, results below 2^-126 flushed to 0). exp2f adds a range
+// check and two multiplies per call to keep subnormal results; a probability below 2^-126 is 0 in P's bf16 /
+// fp16 anyway, and exp2(-inf) is still +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// One K/V tile (keys k0.., in shared memory kb / vb) for a warp's 16 rows: S = Q K^T, the mask (kMasked: causal
+// and window per row, key kp seen by row h iff lo_excl[h] < kp <= pos[h]; keys past the block's last are zeros
+// and masked too), the online softmax update and O += P V. Logits stay unscaled until the exponent:
+// p = 2^(s sc - m) is one FFMA and one ex2 per element, the running max m is in scaled (base-2) units (sc > 0,
+// so the max commutes with the scale). Per element of an unmasked tile: FMNMX, FFMA, MUFU, FADD and half an
+// F2FP -- the instruction budget next to the two MMAs each element takes at head_dim 64.
+template <KvKind K, int D, bool kMasked>
 __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlanes][D / 16][4],
                                           const typename Tile<K, D>::T* kb, const typename Tile<K, D>::T* vb,
-                                          int k0, const int (&pos)[2], int window, float sc, bool masked,
+                                          int k0, const int (&pos)[2], const int (&lo_excl)[2], float sc,
                                           float (&m)[2], float (&l)[2], float (&o)[D / 8][4]) {
   using G = Tile<K, D>;
   using T = typename G::T;
   constexpr int kN = G::kN, kS = G::kStride, kP = G::kPlanes, kKs = D / 16, kNt = kN / 8;
+  static_assert(kKs % 2 == 0 || kKs == 1);
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   float s[kNt][4];
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt) {
     s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    // ldmatrix (not transposed) of 8 keys x 8 dims gives lane (g, c) keys g's dims 2c, 2c + 1: the B fragment.
+    // Lanes 8i..8i+7 address matrix i = dims +8 i, so one x4 covers two k-steps (b0, b1, b0', b1').
+    const T* kr = kb + (nt * 8 + (lane & 7)) * kS + (lane >> 3) * 8;
 #pragma unroll
-    for (int kk = 0; kk < kKs; ++kk) {
-      const T* kr = kb + (nt * 8 + g) * kS + kk * 16 + 2 * c;
-      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr),
-                     b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-      mma<T>(s[nt], qa[0][kk], b0, b1);
-      if constexpr (kP == 2) {
-        const T* kl = kr + kN * kS;
-        mma<T>(s[nt], qa[0][kk], *reinterpret_cast<const uint32_t*>(kl),
-               *reinterpret_cast<const uint32_t*>(kl + 8));
-        mma<T>(s[nt], qa[1][kk], b0, b1);
+    for (int kk = 0; kk < kKs; kk += 2) {
+      if constexpr (kKs == 1) {
+        const T* k1 = kb + (nt * 8 + g) * kS + 2 * c;
+        mma<T>(s[nt], qa[0][0], *reinterpret_cast<const uint32_t*>(k1), *reinterpret_cast<const uint32_t*>(k1 + 8));
+        if constexpr (kP == 2) {
+          const T* kl = k1 + kN * kS;
+          mma<T>(s[nt], qa[0][0], *reinterpret_cast<const uint32_t*>(kl), *reinterpret_cast<const uint32_t*>(kl + 8));
+          mma<T>(s[nt], qa[1][0], *reinterpret_cast<const uint32_t*>(k1), *reinterpret_cast<const uint32_t*>(k1 + 8));
+        }
+      } else {
+        uint32_t b[4];
+        ldmatrix_x4(b, kr + kk * 16);
+        mma<T>(s[nt], qa[0][kk], b[0], b[1]);
+        mma<T>(s[nt], qa[0][kk + 1], b[2], b[3]);
+        if constexpr (kP == 2) {
+          uint32_t bl[4];
+          ldmatrix_x4(bl, kr + kN * kS + kk * 16);
+          mma<T>(s[nt], qa[0][kk], bl[0], bl[1]);
+          mma<T>(s[nt], qa[0][kk + 1], bl[2], bl[3]);
+          mma<T>(s[nt], qa[1][kk], b[0], b[1]);
+          mma<T>(s[nt], qa[1][kk + 1], b[2], b[3]);
+        }
       }
     }
   }
-  // Mask and the new running max per row (the 4 lanes of a quad share a row).
-  float mx[2] = {m[0], m[1]};
+  // Mask and the new running max per row (the 4 lanes of a quad share a row), in unscaled logits.
+  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int h = j >> 1, kp = k0 + nt * 8 + 2 * c + (j & 1);
-      const bool seen = !masked || (kp <= pos[h] && (window <= 0 || kp > pos[h] - window));
-      s[nt][j] = seen ? s[nt][j] * sc : -INFINITY;
+      const int h = j >> 1;
+      if constexpr (kMasked) {
+        const int kp = k0 + nt * 8 + 2 * c + (j & 1);
+        s[nt][j] = kp <= pos[h] && kp > lo_excl[h] ? s[nt][j] : -INFINITY;
+      }
       mx[h] = fmaxf(mx[h], s[nt][j]);
     }
-  float corr[2];
+  float corr[2], base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    // A row that has seen nothing yet keeps max -inf: nothing to rescale, and exp2(-inf) = 0 below.
-    const float base = mx[h] == -INFINITY ? 0.0f : mx[h];
-    corr[h] = exp2f(m[h] - base);
-    m[h] = mx[h];
-    mx[h] = base;
+    const float mnew = fmaxf(m[h], mx[h] * sc);
+    // A row that has seen nothing yet keeps max -inf: nothing to rescale, and 2^-inf = 0 below.
+    base[h] = mnew == -INFINITY ? 0.0f : mnew;
+    corr[h] = fast_exp2(m[h] - base[h]);
+    m[h] = mnew;
     l[h] *= corr[h];
   }
 #pragma unroll
   for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      s[nt][j] = exp2f(s[nt][j] - mx[j >> 1]);
+      s[nt][j] = fast_exp2(fmaf(s[nt][j], sc, -base[j >> 1]));
       l[j >> 1] += s[nt][j];
     }
+  // Once the running max settles most tiles leave it unchanged (corr exactly 1 for every row of the warp):
+  // skip the rescale of the D / 2 accumulators then.
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    o[dt][0] *= corr[0], o[dt][1] *= corr[0];
-    o[dt][2] *= corr[1], o[dt][3] *= corr[1];
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= corr[0], o[dt][1] *= corr[0];
+      o[dt][2] *= corr[1], o[dt][3] *= corr[1];
+    }
   }
   // O += P V: the S accumulators of key tiles 2j and 2j + 1 are exactly the A fragment of keys 16j..16j+15.
 #pragma unroll
@@ -340,6 +381,10 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   const int warp_lo = a.window > 0 && warp_last >= 0 ? warp_first - a.window + 1 : 0;
   // Tiles every row of the warp sees whole need no mask: keys <= warp_first and > warp_last - window.
   const bool tail_rows = __any_sync(0xffffffffu, pos[0] < 0 || pos[1] < 0);
+  // Each row's keys are (lo_excl, pos]: the window's start, or everything (a padding row, pos -1, sees none).
+  int lo_excl[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) lo_excl[h] = a.window > 0 ? pos[h] - a.window : INT_MIN;
 
   // Q fragments (A operand, rows g and g + 8, columns 2c.. and 2c + 8..), in kP planes.
   uint32_t qa[kP][kKs][4];
@@ -398,7 +443,10 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     if (k0 <= warp_last && k0 + kN - 1 >= warp_lo) {
       const bool masked =
           tail_rows || k0 + kN - 1 > warp_first || (a.window > 0 && k0 <= warp_last - a.window);
-      tile_step<K, D>(qa, kb, vb, k0, pos, a.window, sc, masked, m, l, o);
+      if (masked)
+        tile_step<K, D, true>(qa, kb, vb, k0, pos, lo_excl, sc, m, l, o);
+      else
+        tile_step<K, D, false>(qa, kb, vb, k0, pos, lo_excl, sc, m, l, o);
     }
     __syncthreads();  // this buffer is refilled in the next iteration
   }
@@ -475,6 +523,8 @@ void launch_flash_attention(KvKind kind, const float* q, const void* kc, const v
                                              " with " + std::to_string(a.n_heads) + "/" +
                                              std::to_string(a.n_kv_heads) + " heads is not supported");
   NB_CHECK(n_tiles >= 1 && n_tiles < (int64_t{1} << 31) && a.n_kv_heads <= 65535, "flash attention: grid");
+  // The kernel takes the running max on unscaled logits (max commutes with a positive scale only).
+  NB_CHECK(a.scale > 0.0f, "flash attention: softmax scale " + std::to_string(a.scale) + " is not positive");
   switch (kind) {
     case KvKind::kF32:
       return launch_kind<KvKind::kF32>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
