@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 
 #include <climits>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -106,14 +107,18 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 // Tile geometry. kN keys per tile: 64, or 32 where a converted (FP8, fp32) tile row is 128 operand elements or
-// more (registers for S; BF16 at head_dim 128 keeps 64: two 64-key K and V buffers, 68 KiB of dynamic shared
-// memory, one block per SM at its ~220 registers). Rows of
-// shared memory are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches
-// fall on distinct banks. The BF16 cache (bytes copied as they are) fills the next tile's buffer with
-// cp.async while the current one is computed; FP8 and fp32 convert through registers into one buffer.
+// more (registers for S; BF16 at head_dim 128 keeps 64: three 64-key K and V buffers, 102 KiB of dynamic shared
+// memory, one block per SM at its ~220 registers). Rows of shared memory are padded by 8 elements (16 bytes) so
+// the 8 rows a B-fragment load or an ldmatrix touches fall on distinct banks. The BF16 cache (bytes copied as
+// they are) fills the next tiles' buffers with cp.async while the current one is computed (kBuf in the kernel);
+// FP8 and fp32 convert through registers into one buffer.
 template <KvKind K, int D>
 struct Tile {
   using T = typename Operand<K>::T;
@@ -122,10 +127,10 @@ struct Tile {
   static constexpr int kN = kAsync || D * kPlanes < 128 ? 64 : 32;
   static constexpr int kStride = D + 8;
   static constexpr int kElems = kPlanes * kN * kStride;  // one buffer of K (or V)
-  static constexpr int kBuffers = kAsync ? 2 : 1;
   static constexpr int kThreads = kWarps * 32, kRows = kWarps * 16;
   static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
-  static constexpr int kSmemBytes = 2 * kBuffers * kElems * static_cast<int>(sizeof(T));  // K and V, dynamic
+  // Dynamic shared memory of K and V with `buffers` tile buffers each (see three_buffers_fit).
+  static constexpr int smem_bytes(int buffers) { return 2 * buffers * kElems * static_cast<int>(sizeof(T)); }
   static_assert(D % 16 == 0 && kN % 16 == 0);
 };
 
@@ -324,7 +329,10 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
   }
 }
 
-template <KvKind K, int D>
+// kBuf tile buffers for K and for V: 1 for the converted caches (FP8, fp32: loaded, converted, barrier,
+// computed, barrier), 2 or 3 for BF16 (cp.async: kBuf - 1 tiles in flight while one is computed; the refill of a
+// buffer is issued after the barrier that follows every warp's use of it, so one barrier per tile suffices).
+template <KvKind K, int D, int kBuf>
 __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     flash_attention_kernel(const float* __restrict__ q, const typename KvElem<K>::T* __restrict__ kc,
                            const typename KvElem<K>::T* __restrict__ vc, DevBatch b,
@@ -335,9 +343,10 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   using T = typename G::T;
   constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
   constexpr int kTile = G::kElems;
-  extern __shared__ __align__(16) unsigned char fa_smem[];  // K buffers, then V buffers (G::kSmemBytes)
+  static_assert(G::kAsync ? kBuf >= 2 : kBuf == 1);
+  extern __shared__ __align__(16) unsigned char fa_smem[];  // K buffers, then V buffers (G::smem_bytes(kBuf))
   T* ks = reinterpret_cast<T*>(fa_smem);
-  T* vs = ks + G::kBuffers * kTile;
+  T* vs = ks + kBuf * kTile;
 
   const int group = a.n_heads / a.n_kv_heads, per_tile = kRows / group, kvh = blockIdx.y;
   // Which sequence and which of its token tiles this block takes: the last tiles first, since in a
@@ -418,27 +427,36 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
   const float sc = a.scale * kLog2e;
 
+  constexpr int kAhead = kBuf - 1;  // tiles in flight beyond the one computed (BF16)
   if constexpr (G::kAsync) {
-    load_tile<K, D>(kc, table, lo, pos_last, kvh, a.n_kv_heads, ks);
-    load_tile<K, D>(vc, table, lo, pos_last, kvh, a.n_kv_heads, vs);
-    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < kAhead; ++t) {
+      if (lo + t * kN <= pos_last) {
+        load_tile<K, D>(kc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, ks + t * kTile);
+        load_tile<K, D>(vc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, vs + t * kTile);
+      }
+      cp_async_commit();  // (empty groups keep one group per tile)
+    }
   }
   for (int k0 = lo, it = 0; k0 <= pos_last; k0 += kN, ++it) {
-    T* kb = ks + (it % G::kBuffers) * kTile;
-    T* vb = vs + (it % G::kBuffers) * kTile;
+    T* kb = ks + (it % kBuf) * kTile;
+    T* vb = vs + (it % kBuf) * kTile;
     if constexpr (G::kAsync) {
-      // Start the next tile into the other buffer (consumed one iteration ago), then wait for this one.
-      if (k0 + kN <= pos_last) {
-        load_tile<K, D>(kc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, ks + ((it + 1) & 1) * kTile);
-        load_tile<K, D>(vc, table, k0 + kN, pos_last, kvh, a.n_kv_heads, vs + ((it + 1) & 1) * kTile);
+      // This thread's copies of tile it have landed; after the barrier everyone's have, and every warp is done
+      // with tile it - 1, whose buffer now takes tile it + kAhead.
+      cp_async_wait<kAhead - 1>();
+      __syncthreads();
+      const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
+      if (kn <= pos_last) {
+        load_tile<K, D>(kc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile);
+        load_tile<K, D>(vc, table, kn, pos_last, kvh, a.n_kv_heads, vs + nb * kTile);
       }
       cp_async_commit();
-      cp_async_wait_one();
     } else {
       load_tile<K, D>(kc, table, k0, pos_last, kvh, a.n_kv_heads, kb);
       load_tile<K, D>(vc, table, k0, pos_last, kvh, a.n_kv_heads, vb);
+      __syncthreads();
     }
-    __syncthreads();
     // Warp-uniform: skip tiles no row of the warp sees; mask only tiles some row sees in part.
     if (k0 <= warp_last && k0 + kN - 1 >= warp_lo) {
       const bool masked =
@@ -448,7 +466,7 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
       else
         tile_step<K, D, false>(qa, kb, vb, k0, pos, lo_excl, sc, m, l, o);
     }
-    __syncthreads();  // this buffer is refilled in the next iteration
+    if constexpr (!G::kAsync) __syncthreads();  // the one buffer is refilled in the next iteration
   }
 
 #pragma unroll
@@ -467,22 +485,54 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   }
 }
 
-template <KvKind K, int D>
-void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
-                int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+template <KvKind K, int D, int kBuf>
+void launch_with(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
+                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
   using E = typename KvElem<K>::T;
-  constexpr int kSmem = Tile<K, D>::kSmemBytes;
+  constexpr int kSmem = Tile<K, D>::smem_bytes(kBuf);
   if constexpr (kSmem > 48 * 1024) {  // past the default dynamic limit: opt in once per instance
     static const bool opted = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(flash_attention_kernel<K, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      CUDA_CHECK(cudaFuncSetAttribute(flash_attention_kernel<K, D, kBuf>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
       return true;
     }();
     (void)opted;
   }
-  launch_pdl(flash_attention_kernel<K, D>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads),
+  launch_pdl(flash_attention_kernel<K, D, kBuf>, dim3(static_cast<unsigned>(n_tiles), a.n_kv_heads),
              Tile<K, D>::kThreads, kSmem, s, q, static_cast<const E*>(kc), static_cast<const E*>(vc), b,
              seq_begin, n_seqs, min_new, a, out);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// Three BF16 buffers where kMinBlocks blocks of them fit one SM's shared memory (Hopper: 228 KiB per SM), else
+// two: sm_120 / sm_121 have ~100 KiB per SM and 99 KiB per block, where a third buffer would cost head_dim 64
+// its second block per SM and does not fit head_dim 128 at all.
+template <KvKind K, int D>
+bool three_buffers_fit() {
+  // NIBBLE_FA_BUFFERS=2 takes the two-buffer kernels anywhere (a ctest entry checks them on the H200).
+  static const bool force_two = [] {
+    const char* e = std::getenv("NIBBLE_FA_BUFFERS");
+    return e != nullptr && std::string(e) == "2";
+  }();
+  if (force_two) return false;
+  int dev = 0, per_sm = 0, per_block = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  constexpr int kThree = Tile<K, D>::smem_bytes(3), kReserved = 1024;  // the driver's per-block reserve
+  return kThree <= per_block && Tile<K, D>::kMinBlocks * (kThree + kReserved) <= per_sm;
+}
+
+template <KvKind K, int D>
+void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
+                int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
+  if constexpr (!Tile<K, D>::kAsync) {
+    launch_with<K, D, 1>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  } else if (three_buffers_fit<K, D>()) {
+    launch_with<K, D, 3>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  } else {
+    launch_with<K, D, 2>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  }
 }
 
 template <KvKind K>
