@@ -231,13 +231,13 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
     const T* kr = kb + (nt * 8 + (lane & 7)) * kS + (lane >> 3) * 8;
 #pragma unroll
     for (int kk = 0; kk < kKs; kk += 2) {
-      if constexpr (kKs == 1) {
-        const T* k1 = kb + (nt * 8 + g) * kS + 2 * c;
-        mma<T>(s[nt], qa[0][0], *reinterpret_cast<const uint32_t*>(k1), *reinterpret_cast<const uint32_t*>(k1 + 8));
+      if constexpr (kKs == 1) {  // head_dim 16: one k-step, the fragment as two 32-bit loads (words 0 and 4)
+        const uint32_t* k1 = reinterpret_cast<const uint32_t*>(kb + (nt * 8 + g) * kS + 2 * c);
+        mma<T>(s[nt], qa[0][0], k1[0], k1[4]);
         if constexpr (kP == 2) {
-          const T* kl = k1 + kN * kS;
-          mma<T>(s[nt], qa[0][0], *reinterpret_cast<const uint32_t*>(kl), *reinterpret_cast<const uint32_t*>(kl + 8));
-          mma<T>(s[nt], qa[1][0], *reinterpret_cast<const uint32_t*>(k1), *reinterpret_cast<const uint32_t*>(k1 + 8));
+          const uint32_t* kl = k1 + kN * kS / 2;  // the lo plane (kS is even)
+          mma<T>(s[nt], qa[0][0], kl[0], kl[4]);
+          mma<T>(s[nt], qa[1][0], k1[0], k1[4]);
         }
       } else {
         uint32_t b[4];
