@@ -114,11 +114,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Tile geometry. kN keys per tile: 64, or 32 where a converted (FP8, fp32) tile row is 128 operand elements or
-// more (registers for S; BF16 at head_dim 128 keeps 64: three 64-key K and V buffers, 102 KiB of dynamic shared
-// memory, one block per SM at its ~220 registers). Rows of shared memory are padded by 8 elements (16 bytes) so
-// the 8 rows a B-fragment load or an ldmatrix touches fall on distinct banks. The BF16 cache (bytes copied as
-// they are) fills the next tiles' buffers with cp.async while the current one is computed (kBuf in the kernel);
-// FP8 and fp32 convert through registers into one buffer.
+// more (registers for S; BF16 at head_dim 128 keeps 64: three 64-key K and V buffers on Hopper, two on sm_12x,
+// 102 / 68 KiB of dynamic shared memory, one block per SM at its ~220 registers). Rows of shared memory are
+// padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches fall on distinct banks.
+// The BF16 cache (bytes copied as they are) fills the next tiles' buffers with cp.async while the current one is
+// computed (kBuf in the kernel); FP8 and fp32 convert through registers into one buffer.
 template <KvKind K, int D>
 struct Tile {
   using T = typename Operand<K>::T;
