@@ -509,7 +509,8 @@ void launch_with(const float* q, const void* kc, const void* vc, const DevBatch&
 // its second block per SM and does not fit head_dim 128 at all.
 template <KvKind K, int D>
 bool three_buffers_fit() {
-  // NIBBLE_FA_BUFFERS=2 takes the two-buffer kernels anywhere (a ctest entry checks them on the H200).
+  // NIBBLE_FA_BUFFERS=2 takes the two-buffer kernels anywhere (a ctest entry checks them on an sm_90 GPU;
+  // Model::load rejects other values).
   static const bool force_two = [] {
     const char* e = std::getenv("NIBBLE_FA_BUFFERS");
     return e != nullptr && std::string(e) == "2";

@@ -64,7 +64,9 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // NIBBLE_MOE_VARIANT (0-3: a portable MoE block tile), NIBBLE_MOE_WSR (the sm_90a MoE GEMMs' register-fragment
   // tile: 0 never, 1 always, 2 always with two fragment sets; unset: where experts average >= 192 rows),
   // NIBBLE_MOE_WSR_BM (128 or 256: its token-tile height), NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
-  // gemm_fp4.cuh gemm_ws_rs) and NIBBLE_WS_BM (128 or 256: its tokens per tile). (Values unused in a CPU-only build.)
+  // gemm_fp4.cuh gemm_ws_rs), NIBBLE_WS_BM (128 or 256: its tokens per tile) and, read by the flash-attention
+  // launcher, NIBBLE_FA_BUFFERS (2: the BF16 cache's two-buffer kernels sm_120 / sm_121 take, on any GPU).
+  // (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* fusion, env_choice("NIBBLE_DECODE_FUSION", "0", "1"));
@@ -96,6 +98,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
     return error(std::string("NIBBLE_WS_BM=") + v + ": expected 128 or 256");
   if (const char* v = std::getenv("NIBBLE_WSP_STAGES"); v && std::string(v) != "2")
     return error(std::string("NIBBLE_WSP_STAGES=") + v + ": expected 2 (unset: the GPU's own depth)");
+  if (const char* v = std::getenv("NIBBLE_FA_BUFFERS"); v && std::string(v) != "2")
+    return error(std::string("NIBBLE_FA_BUFFERS=") + v + ": expected 2 (unset: what the GPU's shared memory holds)");
   if (const char* v = std::getenv("NIBBLE_MOE_VARIANT");
       v && !(std::strlen(v) == 1 && v[0] >= '0' && v[0] <= '3'))
     return error(std::string("NIBBLE_MOE_VARIANT=") + v +

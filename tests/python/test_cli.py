@@ -155,18 +155,21 @@ def test_gemm_measurement_envs_are_checked():
     """NIBBLE_WSP_STAGES (2: the portable warp-specialized GEMM tile at GB10's pipeline depth),
     NIBBLE_MOE_VARIANT (0-3: a portable block tile for the MoE GEMMs), NIBBLE_WS_RS (0-2: the sm_90a dense
     tile's variant), NIBBLE_WS_BM (128 or 256: its tokens per tile), NIBBLE_MOE_WSR (0-2: the sm_90a MoE
-    GEMMs' tile) and NIBBLE_MOE_WSR_BM (128 or 256: its tokens per tile) are measurement switches; a misspelt
-    value is a one-line error, not a silent default."""
+    GEMMs' tile), NIBBLE_MOE_WSR_BM (128 or 256: its tokens per tile) and NIBBLE_FA_BUFFERS (2: flash
+    attention's two-buffer BF16 kernels) are measurement switches; a misspelt value is a one-line error, not a
+    silent default."""
     model = ROOT / "models" / "default"
     args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
     for var, bad, needle in (("NIBBLE_WSP_STAGES", "4", "expected 2"), ("NIBBLE_WSP_STAGES", "two", "expected 2"),
                              ("NIBBLE_MOE_VARIANT", "x", "0, 1, 2 or 3"), ("NIBBLE_MOE_VARIANT", "4", "0, 1, 2 or 3"),
                              ("NIBBLE_WS_RS", "3", "0, 1 or 2"), ("NIBBLE_WS_RS", "on", "0, 1 or 2"),
                              ("NIBBLE_WS_BM", "64", "128 or 256"), ("NIBBLE_MOE_WSR", "off", "0, 1 or 2"),
-                             ("NIBBLE_MOE_WSR_BM", "64", "128 or 256")):
+                             ("NIBBLE_MOE_WSR_BM", "64", "128 or 256"), ("NIBBLE_FA_BUFFERS", "3", "expected 2"),
+                             ("NIBBLE_FA_BUFFERS", "two", "expected 2")):
         assert_one_line_error(nibble(*args, check=False, env={var: bad}), f"{var}={bad}", needle)
     for var, ok in (("NIBBLE_WSP_STAGES", "2"), ("NIBBLE_MOE_VARIANT", "1"), ("NIBBLE_WS_RS", "2"),
-                    ("NIBBLE_WS_BM", "128"), ("NIBBLE_MOE_WSR", "2"), ("NIBBLE_MOE_WSR_BM", "256")):
+                    ("NIBBLE_WS_BM", "128"), ("NIBBLE_MOE_WSR", "2"), ("NIBBLE_MOE_WSR_BM", "256"),
+                    ("NIBBLE_FA_BUFFERS", "2")):
         assert len(nibble(*args, env={var: ok}).stdout.split()) == 2
 
 
