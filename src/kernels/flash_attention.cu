@@ -144,47 +144,59 @@ __device__ __forceinline__ void fp8_pairs_to_half(uint32_t w, uint32_t& lo, uint
   hi = hmul2((p23 & 0x80008000u) | ((p23 >> 1) & 0x3f803f80u), 0x5c005c00u);
 }
 
-// Converts keys [k0, k0 + kN) of one KV head from the cache into dst [kPlanes][kN][kStride]; keys past
-// `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
-// and waits).
+// Converts keys [k0, k0 + kN) of one KV head from the K and V caches into kdst / vdst, each [kPlanes][kN][kStride];
+// keys past `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
+// and waits). Each thread takes fixed 16-byte chunks (a trip count known at compile time: no loop control), and
+// one page-table lookup serves a chunk's K and V (the lookup is a dependent global load ahead of the copies).
 template <KvKind K, int D>
-__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ cache,
-                                          const int32_t* table, int k0, int last, int kvh, int n_kv_heads,
-                                          typename Tile<K, D>::T* dst) {
+__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ kc,
+                                          const typename KvElem<K>::T* __restrict__ vc, const int32_t* table,
+                                          int k0, int last, int kvh, int n_kv_heads, typename Tile<K, D>::T* kdst,
+                                          typename Tile<K, D>::T* vdst) {
   using Src = typename KvElem<K>::T;
   using T = typename Tile<K, D>::T;
   constexpr int kN = Tile<K, D>::kN, kS = Tile<K, D>::kStride, kP = Tile<K, D>::kPlanes;
   constexpr int kG = 16 / sizeof(Src);  // elements per 16-byte chunk
   constexpr int kChunks = D / kG;       // chunks per key row
-  for (int i = threadIdx.x; i < kN * kChunks; i += Tile<K, D>::kThreads) {
+  constexpr int kTotal = kN * kChunks, kThreads = Tile<K, D>::kThreads;
+  constexpr int kPer = (kTotal + kThreads - 1) / kThreads;  // chunks per thread (the last round partial if any)
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int i = threadIdx.x + r * kThreads;
+    if (kTotal % kThreads != 0 && i >= kTotal) break;
     const int key = i / kChunks, ch = i % kChunks, kp = k0 + key;
-    const Src* src = cache;  // any valid address where nothing is read
-    if (kp <= last) {
+    const bool valid = kp <= last;
+    int64_t off = 0;  // (offset 0 is a valid address where nothing is read)
+    if (valid) {
       const int64_t slot = static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock;
-      src = cache + (slot * n_kv_heads + kvh) * D + ch * kG;
+      off = (slot * n_kv_heads + kvh) * D + ch * kG;
     }
-    T* row = dst + key * kS + ch * kG;
-    if constexpr (Tile<K, D>::kAsync) {
-      cp_async16(row, src, kp <= last);  // the cache's bf16 bits are the operand
-    } else if constexpr (K == KvKind::kFP8) {
-      // 16 codes -> 16 fp16 operands by bit moves and one multiply per pair (fp8_pairs_to_half).
-      const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-      uint4 h0, h1;
-      fp8_pairs_to_half(raw.x, h0.x, h0.y);
-      fp8_pairs_to_half(raw.y, h0.z, h0.w);
-      fp8_pairs_to_half(raw.z, h1.x, h1.y);
-      fp8_pairs_to_half(raw.w, h1.z, h1.w);
-      reinterpret_cast<uint4*>(row)[0] = h0;
-      reinterpret_cast<uint4*>(row)[1] = h1;
-    } else {
-      const uint4 raw = kp <= last ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-      const Src* e = reinterpret_cast<const Src*>(&raw);
 #pragma unroll
-      for (int j = 0; j < kG; ++j) {
-        T parts[kP];
-        split<T, kP>(KvElem<K>::dec(e[j]), parts);
+    for (int kv = 0; kv < 2; ++kv) {
+      const Src* src = (kv == 0 ? kc : vc) + off;
+      T* row = (kv == 0 ? kdst : vdst) + key * kS + ch * kG;
+      if constexpr (Tile<K, D>::kAsync) {
+        cp_async16(row, src, valid);  // the cache's bf16 bits are the operand
+      } else if constexpr (K == KvKind::kFP8) {
+        // 16 codes -> 16 fp16 operands by bit moves and one multiply per pair (fp8_pairs_to_half).
+        const uint4 raw = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+        uint4 h0, h1;
+        fp8_pairs_to_half(raw.x, h0.x, h0.y);
+        fp8_pairs_to_half(raw.y, h0.z, h0.w);
+        fp8_pairs_to_half(raw.z, h1.x, h1.y);
+        fp8_pairs_to_half(raw.w, h1.z, h1.w);
+        reinterpret_cast<uint4*>(row)[0] = h0;
+        reinterpret_cast<uint4*>(row)[1] = h1;
+      } else {
+        const uint4 raw = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+        const Src* e = reinterpret_cast<const Src*>(&raw);
 #pragma unroll
-        for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
+        for (int j = 0; j < kG; ++j) {
+          T parts[kP];
+          split<T, kP>(KvElem<K>::dec(e[j]), parts);
+#pragma unroll
+          for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
+        }
       }
     }
   }
@@ -432,8 +444,7 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
 #pragma unroll
     for (int t = 0; t < kAhead; ++t) {
       if (lo + t * kN <= pos_last) {
-        load_tile<K, D>(kc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, ks + t * kTile);
-        load_tile<K, D>(vc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, vs + t * kTile);
+        load_tile<K, D>(kc, vc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, ks + t * kTile, vs + t * kTile);
       }
       cp_async_commit();  // (empty groups keep one group per tile)
     }
@@ -448,13 +459,11 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
       __syncthreads();
       const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
       if (kn <= pos_last) {
-        load_tile<K, D>(kc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile);
-        load_tile<K, D>(vc, table, kn, pos_last, kvh, a.n_kv_heads, vs + nb * kTile);
+        load_tile<K, D>(kc, vc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
       }
       cp_async_commit();
     } else {
-      load_tile<K, D>(kc, table, k0, pos_last, kvh, a.n_kv_heads, kb);
-      load_tile<K, D>(vc, table, k0, pos_last, kvh, a.n_kv_heads, vb);
+      load_tile<K, D>(kc, vc, table, k0, pos_last, kvh, a.n_kv_heads, kb, vb);
       __syncthreads();
     }
     // Warp-uniform: skip tiles no row of the warp sees; mask only tiles some row sees in part.
