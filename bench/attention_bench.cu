@@ -113,10 +113,12 @@ int run(bool quick) {
               kGptOss.kv_heads, kGptOss.head_dim);
   if (quick) {
     std::printf("| prompt | window | KV cache | tiled ms | tiled TFLOP/s |\n|---|---|---|---|---|\n");
-    for (int n : {2048, 8192}) {
-      const double ms = time_attention(DType::kBF16, 1, 0, n, 0);
-      std::printf("| pp%d | 0 | BF16 | %.3f | %.1f |\n", n, ms, flops(0, n, 0) / ms / 1e9);
-    }
+    for (DType kv : {DType::kBF16, DType::kF8_E4M3})
+      for (int n : {2048, 8192}) {
+        const double ms = time_attention(kv, 1, 0, n, 0);
+        std::printf("| pp%d | 0 | %s | %.3f | %.1f |\n", n, std::string(dtype_name(kv)).c_str(), ms,
+                    flops(0, n, 0) / ms / 1e9);
+      }
     head_dim_128();
     return 0;
   }

@@ -1,7 +1,7 @@
 // Prefill attention; see flash_attention.cuh. Block = 8 warps = 128 query rows; row r is token
 // r / group of the tile and head kv_head * group + r % group, so every row of a block reads the same K/V.
-// Per 64-key tile (32 for FP8 / fp32 tiles of 128 operand elements a row): the block converts K and V from the
-// cache into padded shared memory, each warp computes S = Q K^T for its 16 rows (mma m16n8k16, fp32
+// Per 64-key tile (32 for fp32 tiles of 128 operand elements a row): the block brings K and V from the
+// cache into padded shared memory (BF16 copied as it is, FP8 codes staged and converted to fp16, fp32 split), each warp computes S = Q K^T for its 16 rows (mma m16n8k16, fp32
 // accumulate), masks (causal, window), updates its online softmax (max, sum in fp32, base-2 exponent) and adds
 // P V (P from the S accumulators, V through ldmatrix.trans). Operand types by cache kind:
 //   BF16: Q, K, P, V in bf16 (Q and P rounded to 2^-9 relative, as the cache rounds K and V).
@@ -113,25 +113,49 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Tile geometry. kN keys per tile: 64, or 32 where a converted (FP8, fp32) tile row is 128 operand elements or
-// more (registers for S; BF16 at head_dim 128 keeps 64: three 64-key K and V buffers on Hopper, two on sm_12x,
-// 102 / 68 KiB of dynamic shared memory, one block per SM at its ~220 registers). Rows of shared memory are
-// padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches fall on distinct banks.
-// The BF16 cache (bytes copied as they are) fills the next tiles' buffers with cp.async while the current one is
-// computed (kBuf in the kernel); FP8 and fp32 convert through registers into one buffer.
+// Tile geometry. kN keys per tile: 64, or 32 where an fp32 tile row is 128 operand elements or more (registers
+// for S; BF16 and FP8 at head_dim 128 keep 64: one block per SM at their ~220 registers). Rows of shared memory
+// are padded by 8 elements (16 bytes) so the 8 rows a B-fragment load or an ldmatrix touches fall on distinct banks.
+// How a tile reaches shared memory, by cache kind:
+//   BF16 (kAsync): the bytes are the operand; cp.async fills the next tiles' buffers while one is computed (kBuf
+//     2 or 3 in the kernel).
+//   FP8 (kStaged): the raw codes go by cp.async two tiles ahead into two staging slots (kN x D bytes each for K and
+//     for V, after the operand buffers); the thread that copied a chunk converts it into an operand buffer once its
+//     own copies landed (no barrier for the slot), so only the conversion is left between the barriers. Two operand
+//     buffers (one barrier per tile) where they fit, else one (two barriers).
+//   fp32: loaded, split and stored through registers into one buffer.
 template <KvKind K, int D>
 struct Tile {
   using T = typename Operand<K>::T;
   static constexpr int kPlanes = Operand<K>::kPlanes;
   static constexpr bool kAsync = K == KvKind::kBF16;
-  static constexpr int kN = kAsync || D * kPlanes < 128 ? 64 : 32;
+  static constexpr bool kStaged = K == KvKind::kFP8;
+  static constexpr int kN = kAsync || kStaged || D * kPlanes < 128 ? 64 : 32;
   static constexpr int kStride = D + 8;
   static constexpr int kElems = kPlanes * kN * kStride;  // one buffer of K (or V)
+  static constexpr int kStageBytes = kStaged ? kN * D : 0;  // one staging slot of K (or V) codes
   static constexpr int kThreads = kWarps * 32, kRows = kWarps * 16;
   static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
-  // Dynamic shared memory of K and V with `buffers` tile buffers each (see three_buffers_fit).
-  static constexpr int smem_bytes(int buffers) { return 2 * buffers * kElems * static_cast<int>(sizeof(T)); }
+  // Buffers of the large form (see big_form_fits) and of the small one.
+  static constexpr int kBigBuf = kAsync ? 3 : kStaged ? 2 : 1, kSmallBuf = kAsync ? 2 : 1;
+  // Dynamic shared memory of K and V with `buffers` operand buffers each (and two staging slots each).
+  static constexpr int smem_bytes(int buffers) {
+    return 2 * buffers * kElems * static_cast<int>(sizeof(T)) + 2 * 2 * kStageBytes;
+  }
   static_assert(D % 16 == 0 && kN % 16 == 0);
+};
+
+// The 16-byte chunks of a tile's K (and V) rows a thread moves: chunk i = threadIdx.x + r * kThreads for
+// r < kPer is key i / kChunks, elements [kG (i % kChunks), + kG) of its row. A trip count known at compile time
+// (no loop control), and one page-table lookup serves a chunk's K and V.
+template <KvKind K, int D>
+struct Chunks {
+  using Src = typename KvElem<K>::T;
+  static constexpr int kG = 16 / sizeof(Src);  // elements per chunk
+  static constexpr int kPerRow = D / kG;
+  static constexpr int kTotal = Tile<K, D>::kN * kPerRow, kThreads = Tile<K, D>::kThreads;
+  static constexpr int kPer = (kTotal + kThreads - 1) / kThreads;  // per thread (the last round partial if any)
+  static constexpr bool kPartial = kTotal % kThreads != 0;
 };
 
 // Four E4M3 codes (one word, code i in byte i) as fp16 bits, codes 0, 1 in `lo` and 2, 3 in `hi` (low half first).
@@ -144,59 +168,127 @@ __device__ __forceinline__ void fp8_pairs_to_half(uint32_t w, uint32_t& lo, uint
   hi = hmul2((p23 & 0x80008000u) | ((p23 >> 1) & 0x3f803f80u), 0x5c005c00u);
 }
 
-// Converts keys [k0, k0 + kN) of one KV head from the K and V caches into kdst / vdst, each [kPlanes][kN][kStride];
-// keys past `last` become zeros (finite; the mask drops them). BF16: issues cp.async copies (the caller commits
-// and waits). Each thread takes fixed 16-byte chunks (a trip count known at compile time: no loop control), and
-// one page-table lookup serves a chunk's K and V (the lookup is a dependent global load ahead of the copies).
+// The page-table entry of each chunk this thread moves for the tile of keys [k0, k0 + kN), -1 past `last`
+// (those chunks become zeros: finite, and the mask drops them). Read before the barrier that precedes the
+// copies, so the table's round trip overlaps the wait instead of standing in front of the copies.
 template <KvKind K, int D>
-__device__ __forceinline__ void load_tile(const typename KvElem<K>::T* __restrict__ kc,
-                                          const typename KvElem<K>::T* __restrict__ vc, const int32_t* table,
-                                          int k0, int last, int kvh, int n_kv_heads, typename Tile<K, D>::T* kdst,
-                                          typename Tile<K, D>::T* vdst) {
-  using Src = typename KvElem<K>::T;
-  using T = typename Tile<K, D>::T;
-  constexpr int kN = Tile<K, D>::kN, kS = Tile<K, D>::kStride, kP = Tile<K, D>::kPlanes;
-  constexpr int kG = 16 / sizeof(Src);  // elements per 16-byte chunk
-  constexpr int kChunks = D / kG;       // chunks per key row
-  constexpr int kTotal = kN * kChunks, kThreads = Tile<K, D>::kThreads;
-  constexpr int kPer = (kTotal + kThreads - 1) / kThreads;  // chunks per thread (the last round partial if any)
+__device__ __forceinline__ void locate_tile(const int32_t* __restrict__ table, int k0, int last,
+                                            int (&ent)[Chunks<K, D>::kPer]) {
+  using C = Chunks<K, D>;
 #pragma unroll
-  for (int r = 0; r < kPer; ++r) {
-    const int i = threadIdx.x + r * kThreads;
-    if (kTotal % kThreads != 0 && i >= kTotal) break;
-    const int key = i / kChunks, ch = i % kChunks, kp = k0 + key;
-    const bool valid = kp <= last;
-    int64_t off = 0;  // (offset 0 is a valid address where nothing is read)
-    if (valid) {
-      const int64_t slot = static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock;
-      off = (slot * n_kv_heads + kvh) * D + ch * kG;
-    }
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads, kp = k0 + i / C::kPerRow;
+    ent[r] = (!C::kPartial || i < C::kTotal) && kp <= last ? __ldg(table + kp / kKvBlock) : -1;
+  }
+}
+
+// Element offset in the K / V cache of chunk i (key k0 + i / kPerRow) of KV head kvh, at page-table entry e.
+template <KvKind K, int D>
+__device__ __forceinline__ int64_t chunk_offset(int e, int i, int k0, int kvh, int n_kv_heads) {
+  using C = Chunks<K, D>;
+  const int kp = k0 + i / C::kPerRow;
+  const int64_t slot = static_cast<int64_t>(e) * kKvBlock + kp % kKvBlock;
+  return (slot * n_kv_heads + kvh) * D + (i % C::kPerRow) * C::kG;
+}
+
+// BF16: cp.async of the located chunks into the tile buffers kdst / vdst ([kN][kStride]); the caller commits.
+template <KvKind K, int D>
+__device__ __forceinline__ void copy_tile(const typename KvElem<K>::T* __restrict__ kc,
+                                          const typename KvElem<K>::T* __restrict__ vc,
+                                          const int (&ent)[Chunks<K, D>::kPer], int k0, int kvh, int n_kv_heads,
+                                          typename Tile<K, D>::T* kdst, typename Tile<K, D>::T* vdst) {
+  using C = Chunks<K, D>;
+  constexpr int kS = Tile<K, D>::kStride;
+#pragma unroll
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads;
+    if (C::kPartial && i >= C::kTotal) break;
+    const bool valid = ent[r] >= 0;
+    const int64_t off = valid ? chunk_offset<K, D>(ent[r], i, k0, kvh, n_kv_heads) : 0;  // 0: nothing read
+    const int at = (i / C::kPerRow) * kS + (i % C::kPerRow) * C::kG;
+    cp_async16(kdst + at, kc + off, valid);  // the cache's bf16 bits are the operand
+    cp_async16(vdst + at, vc + off, valid);
+  }
+}
+
+// FP8: cp.async of the located chunks' raw codes into a staging slot (chunk i at byte 16 i of kst / vst); the
+// caller commits. The same thread converts them (convert_tile), so the slot needs no barrier.
+template <KvKind K, int D>
+__device__ __forceinline__ void stage_tile(const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
+                                           const int (&ent)[Chunks<K, D>::kPer], int k0, int kvh, int n_kv_heads,
+                                           uint8_t* kst, uint8_t* vst) {
+  using C = Chunks<K, D>;
+  static_assert(C::kG == 16);
+  // The slot may be the one this thread just converted from: keep the compiler from moving the copies (asm
+  // without a memory clobber) above those shared-memory reads.
+  asm volatile("" ::: "memory");
+#pragma unroll
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads;
+    if (C::kPartial && i >= C::kTotal) break;
+    const bool valid = ent[r] >= 0;
+    const int64_t off = valid ? chunk_offset<K, D>(ent[r], i, k0, kvh, n_kv_heads) : 0;
+    cp_async16(kst + 16 * i, kc + off, valid);  // invalid chunks: zero codes, +0 after conversion
+    cp_async16(vst + 16 * i, vc + off, valid);
+  }
+}
+
+// FP8: this thread's staged chunks (their copies landed: the caller waited) as fp16 operands into kdst / vdst.
+// 16 codes -> 16 fp16 by bit moves and one multiply per pair (fp8_pairs_to_half).
+template <KvKind K, int D>
+__device__ __forceinline__ void convert_tile(const uint8_t* kst, const uint8_t* vst, __half* kdst, __half* vdst) {
+  using C = Chunks<K, D>;
+  constexpr int kS = Tile<K, D>::kStride;
+#pragma unroll
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads;
+    if (C::kPartial && i >= C::kTotal) break;
+    const int at = (i / C::kPerRow) * kS + (i % C::kPerRow) * C::kG;
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
-      const Src* src = (kv == 0 ? kc : vc) + off;
-      T* row = (kv == 0 ? kdst : vdst) + key * kS + ch * kG;
-      if constexpr (Tile<K, D>::kAsync) {
-        cp_async16(row, src, valid);  // the cache's bf16 bits are the operand
-      } else if constexpr (K == KvKind::kFP8) {
-        // 16 codes -> 16 fp16 operands by bit moves and one multiply per pair (fp8_pairs_to_half).
-        const uint4 raw = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-        uint4 h0, h1;
-        fp8_pairs_to_half(raw.x, h0.x, h0.y);
-        fp8_pairs_to_half(raw.y, h0.z, h0.w);
-        fp8_pairs_to_half(raw.z, h1.x, h1.y);
-        fp8_pairs_to_half(raw.w, h1.z, h1.w);
-        reinterpret_cast<uint4*>(row)[0] = h0;
-        reinterpret_cast<uint4*>(row)[1] = h1;
-      } else {
-        const uint4 raw = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-        const Src* e = reinterpret_cast<const Src*>(&raw);
+      const uint4 raw = *reinterpret_cast<const uint4*>((kv == 0 ? kst : vst) + 16 * i);
+      uint4 h0, h1;
+      fp8_pairs_to_half(raw.x, h0.x, h0.y);
+      fp8_pairs_to_half(raw.y, h0.z, h0.w);
+      fp8_pairs_to_half(raw.z, h1.x, h1.y);
+      fp8_pairs_to_half(raw.w, h1.z, h1.w);
+      uint4* row = reinterpret_cast<uint4*>((kv == 0 ? kdst : vdst) + at);
+      row[0] = h0;
+      row[1] = h1;
+    }
+  }
+}
+
+// fp32: keys [k0, k0 + kN) into kdst / vdst ([kPlanes][kN][kStride]) through registers, each value split into
+// its bf16 planes; keys past `last` become zeros.
+template <KvKind K, int D>
+__device__ __forceinline__ void load_tile(const float* __restrict__ kc, const float* __restrict__ vc,
+                                          const int32_t* __restrict__ table, int k0, int last, int kvh,
+                                          int n_kv_heads, typename Tile<K, D>::T* kdst,
+                                          typename Tile<K, D>::T* vdst) {
+  using C = Chunks<K, D>;
+  using T = typename Tile<K, D>::T;
+  constexpr int kN = Tile<K, D>::kN, kS = Tile<K, D>::kStride, kP = Tile<K, D>::kPlanes;
+  int ent[C::kPer];
+  locate_tile<K, D>(table, k0, last, ent);
 #pragma unroll
-        for (int j = 0; j < kG; ++j) {
-          T parts[kP];
-          split<T, kP>(KvElem<K>::dec(e[j]), parts);
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads;
+    if (C::kPartial && i >= C::kTotal) break;
+    const int at = (i / C::kPerRow) * kS + (i % C::kPerRow) * C::kG;
+    const int64_t off = ent[r] >= 0 ? chunk_offset<K, D>(ent[r], i, k0, kvh, n_kv_heads) : -1;
 #pragma unroll
-          for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
-        }
+    for (int kv = 0; kv < 2; ++kv) {
+      const float4 raw = off >= 0 ? *reinterpret_cast<const float4*>((kv == 0 ? kc : vc) + off)
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float e[4] = {raw.x, raw.y, raw.z, raw.w};
+      T* row = (kv == 0 ? kdst : vdst) + at;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        T parts[kP];
+        split<T, kP>(e[j], parts);
+#pragma unroll
+        for (int p = 0; p < kP; ++p) row[p * kN * kS + j] = parts[p];
       }
     }
   }
@@ -341,9 +433,11 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
   }
 }
 
-// kBuf tile buffers for K and for V: 1 for the converted caches (FP8, fp32: loaded, converted, barrier,
-// computed, barrier), 2 or 3 for BF16 (cp.async: kBuf - 1 tiles in flight while one is computed; the refill of a
-// buffer is issued after the barrier that follows every warp's use of it, so one barrier per tile suffices).
+// kBuf operand buffers for K and for V. BF16: 2 or 3 (cp.async: kBuf - 1 tiles in flight while one is computed;
+// the refill of a buffer is issued after the barrier that follows every warp's use of it, so one barrier per
+// tile suffices). FP8: 2 (tile it + 1 converted from its staging slot into the other buffer while tile it is
+// computed: one barrier per tile) or 1 (convert, barrier, compute, barrier); the codes of two tiles in flight
+// either way. fp32: 1 (load and split, barrier, compute, barrier).
 template <KvKind K, int D, int kBuf>
 __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     flash_attention_kernel(const float* __restrict__ q, const typename KvElem<K>::T* __restrict__ kc,
@@ -355,10 +449,13 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   using T = typename G::T;
   constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
   constexpr int kTile = G::kElems;
-  static_assert(G::kAsync ? kBuf >= 2 : kBuf == 1);
-  extern __shared__ __align__(16) unsigned char fa_smem[];  // K buffers, then V buffers (G::smem_bytes(kBuf))
+  static_assert(G::kAsync ? kBuf >= 2 : G::kStaged ? kBuf == 1 || kBuf == 2 : kBuf == 1);
+  // K buffers, then V buffers (G::smem_bytes(kBuf)), then FP8's staging slots: K's two, V's two.
+  extern __shared__ __align__(16) unsigned char fa_smem[];
   T* ks = reinterpret_cast<T*>(fa_smem);
   T* vs = ks + kBuf * kTile;
+  uint8_t* kst = reinterpret_cast<uint8_t*>(vs + kBuf * kTile);
+  uint8_t* vst = kst + 2 * G::kStageBytes;
 
   const int group = a.n_heads / a.n_kv_heads, per_tile = kRows / group, kvh = blockIdx.y;
   // Which sequence and which of its token tiles this block takes: the last tiles first, since in a
@@ -439,29 +536,69 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
   const float sc = a.scale * kLog2e;
 
-  constexpr int kAhead = kBuf - 1;  // tiles in flight beyond the one computed (BF16)
-  if constexpr (G::kAsync) {
+  using C = Chunks<K, D>;
+  int ent[C::kPer];  // page-table entries of this thread's chunks of the next tile to copy
+  constexpr int kAhead = G::kAsync ? kBuf - 1 : 2;  // tiles whose copies are in flight (BF16, FP8)
+  if constexpr (G::kAsync || G::kStaged) {
 #pragma unroll
     for (int t = 0; t < kAhead; ++t) {
-      if (lo + t * kN <= pos_last) {
-        load_tile<K, D>(kc, vc, table, lo + t * kN, pos_last, kvh, a.n_kv_heads, ks + t * kTile, vs + t * kTile);
+      const int kt = lo + t * kN;
+      if (kt <= pos_last) {
+        locate_tile<K, D>(table, kt, pos_last, ent);
+        if constexpr (G::kAsync)
+          copy_tile<K, D>(kc, vc, ent, kt, kvh, a.n_kv_heads, ks + t * kTile, vs + t * kTile);
+        else
+          stage_tile<K, D>(kc, vc, ent, kt, kvh, a.n_kv_heads, kst + t * G::kStageBytes, vst + t * G::kStageBytes);
       }
       cp_async_commit();  // (empty groups keep one group per tile)
     }
+  }
+  if constexpr (G::kStaged && kBuf == 2) {  // tile 0 into buffer 0, tile 2's codes into its staging slot
+    cp_async_wait<1>();
+    convert_tile<K, D>(kst, vst, ks, vs);
+    if (lo + 2 * kN <= pos_last) {
+      locate_tile<K, D>(table, lo + 2 * kN, pos_last, ent);
+      stage_tile<K, D>(kc, vc, ent, lo + 2 * kN, kvh, a.n_kv_heads, kst, vst);
+    }
+    cp_async_commit();
   }
   for (int k0 = lo, it = 0; k0 <= pos_last; k0 += kN, ++it) {
     T* kb = ks + (it % kBuf) * kTile;
     T* vb = vs + (it % kBuf) * kTile;
     if constexpr (G::kAsync) {
       // This thread's copies of tile it have landed; after the barrier everyone's have, and every warp is done
-      // with tile it - 1, whose buffer now takes tile it + kAhead.
+      // with tile it - 1, whose buffer now takes tile it + kAhead (its page-table entries read before the wait).
+      const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
+      if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
       cp_async_wait<kAhead - 1>();
       __syncthreads();
-      const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
-      if (kn <= pos_last) {
-        load_tile<K, D>(kc, vc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
-      }
+      if (kn <= pos_last) copy_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
       cp_async_commit();
+    } else if constexpr (G::kStaged && kBuf == 2) {
+      // After the barrier tile it is converted by everyone and every warp is done with tile it - 1, whose
+      // buffer now takes tile it + 1 (this thread's codes of it have landed); its slot then takes tile it + 3.
+      const int kn = k0 + 3 * kN, slot = (it + 1) % 2;
+      if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
+      __syncthreads();
+      cp_async_wait<1>();
+      if (k0 + kN <= pos_last)
+        convert_tile<K, D>(kst + slot * G::kStageBytes, vst + slot * G::kStageBytes, ks + slot * kTile,
+                           vs + slot * kTile);
+      if (kn <= pos_last)
+        stage_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, kst + slot * G::kStageBytes,
+                         vst + slot * G::kStageBytes);
+      cp_async_commit();
+    } else if constexpr (G::kStaged) {
+      // One buffer: tile it's codes (landed for this thread) converted, its slot refilled with tile it + 2.
+      const int kn = k0 + 2 * kN, slot = it % 2;
+      if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
+      cp_async_wait<1>();
+      convert_tile<K, D>(kst + slot * G::kStageBytes, vst + slot * G::kStageBytes, kb, vb);
+      if (kn <= pos_last)
+        stage_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, kst + slot * G::kStageBytes,
+                         vst + slot * G::kStageBytes);
+      cp_async_commit();
+      __syncthreads();
     } else {
       load_tile<K, D>(kc, vc, table, k0, pos_last, kvh, a.n_kv_heads, kb, vb);
       __syncthreads();
@@ -475,7 +612,7 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
       else
         tile_step<K, D, false>(qa, kb, vb, k0, pos, lo_excl, sc, m, l, o);
     }
-    if constexpr (!G::kAsync) __syncthreads();  // the one buffer is refilled in the next iteration
+    if constexpr (kBuf == 1) __syncthreads();  // the one buffer is refilled in the next iteration
   }
 
 #pragma unroll
@@ -513,35 +650,37 @@ void launch_with(const float* q, const void* kc, const void* vc, const DevBatch&
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Three BF16 buffers where kMinBlocks blocks of them fit one SM's shared memory (Hopper: 228 KiB per SM), else
-// two: sm_120 / sm_121 have ~100 KiB per SM and 99 KiB per block, where a third buffer would cost head_dim 64
-// its second block per SM and does not fit head_dim 128 at all.
+// The large form (Tile::kBigBuf operand buffers: BF16 three, FP8 two) where kMinBlocks blocks of it fit one SM's
+// shared memory (Hopper: 228 KiB per SM), else the small one (kSmallBuf): sm_120 / sm_121 have ~100 KiB per SM
+// and 99 KiB per block, where a third BF16 buffer would cost head_dim 64 its second block per SM and fits neither
+// head_dim 128's three BF16 nor its two FP8 buffers with their staging slots.
 template <KvKind K, int D>
-bool three_buffers_fit() {
-  // NIBBLE_FA_BUFFERS=2 takes the two-buffer kernels anywhere (a ctest entry checks them on an sm_90 GPU;
-  // Model::load rejects other values).
-  static const bool force_two = [] {
+bool big_form_fits() {
+  // NIBBLE_FA_BUFFERS=2 takes the small forms anywhere (a ctest entry checks them on an sm_90 GPU; Model::load
+  // rejects other values).
+  static const bool force_small = [] {
     const char* e = std::getenv("NIBBLE_FA_BUFFERS");
     return e != nullptr && std::string(e) == "2";
   }();
-  if (force_two) return false;
+  if (force_small) return false;
   int dev = 0, per_sm = 0, per_block = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  constexpr int kThree = Tile<K, D>::smem_bytes(3), kReserved = 1024;  // the driver's per-block reserve
-  return kThree <= per_block && Tile<K, D>::kMinBlocks * (kThree + kReserved) <= per_sm;
+  constexpr int kBig = Tile<K, D>::smem_bytes(Tile<K, D>::kBigBuf), kReserved = 1024;  // the driver's reserve
+  return kBig <= per_block && Tile<K, D>::kMinBlocks * (kBig + kReserved) <= per_sm;
 }
 
 template <KvKind K, int D>
 void launch_for(const float* q, const void* kc, const void* vc, const DevBatch& b, const int32_t* seq_begin,
                 int n_seqs, int min_new, int64_t n_tiles, const AttnShape& a, float* out, cudaStream_t s) {
-  if constexpr (!Tile<K, D>::kAsync) {
-    launch_with<K, D, 1>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
-  } else if (three_buffers_fit<K, D>()) {
-    launch_with<K, D, 3>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  using G = Tile<K, D>;
+  if constexpr (G::kBigBuf == G::kSmallBuf) {
+    launch_with<K, D, G::kBigBuf>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+  } else if (big_form_fits<K, D>()) {
+    launch_with<K, D, G::kBigBuf>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
   } else {
-    launch_with<K, D, 2>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
+    launch_with<K, D, G::kSmallBuf>(q, kc, vc, b, seq_begin, n_seqs, min_new, n_tiles, a, out, s);
   }
 }
 
