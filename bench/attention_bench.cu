@@ -7,7 +7,7 @@
 //      which sets CudaBackendOptions::prefill_attention_min_tokens;
 //   3. the tiled kernel at head_dim 128 (32 query heads; 4 KV heads as Qwen3-30B-A3B, 8 as Llama-3.1-8B; no
 //      sinks), full attention, BF16 and FP8 caches.
-// Usage: nibble_attention_bench [--quick]   (--quick: table 3 only, and gpt-oss pp2048 / pp8192 with a BF16 cache)
+// Usage: nibble_attention_bench [--quick]   (--quick: table 3 only, and gpt-oss pp2048 / pp8192 with BF16 and FP8 caches)
 #include <cuda_runtime.h>
 
 #include <algorithm>
