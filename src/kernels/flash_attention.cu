@@ -211,6 +211,32 @@ __device__ __forceinline__ void copy_tile(const typename KvElem<K>::T* __restric
   }
 }
 
+// BF16, the lookup and the copies in one pass (each chunk's entry loaded right before its copies): the form
+// for kernels at the 128-register cap, where entries held across the barrier cost spills (see the kernel).
+template <KvKind K, int D>
+__device__ __forceinline__ void fetch_tile(const typename KvElem<K>::T* __restrict__ kc,
+                                           const typename KvElem<K>::T* __restrict__ vc, const int32_t* table,
+                                           int k0, int last, int kvh, int n_kv_heads, typename Tile<K, D>::T* kdst,
+                                           typename Tile<K, D>::T* vdst) {
+  using C = Chunks<K, D>;
+  constexpr int kS = Tile<K, D>::kStride;
+#pragma unroll
+  for (int r = 0; r < C::kPer; ++r) {
+    const int i = threadIdx.x + r * C::kThreads;
+    if (C::kPartial && i >= C::kTotal) break;
+    const int key = i / C::kPerRow, ch = i % C::kPerRow, kp = k0 + key;
+    const bool valid = kp <= last;
+    int64_t off = 0;  // (offset 0 is a valid address where nothing is read)
+    if (valid) {
+      const int64_t slot = static_cast<int64_t>(table[kp / kKvBlock]) * kKvBlock + kp % kKvBlock;
+      off = (slot * n_kv_heads + kvh) * D + ch * C::kG;
+    }
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+      cp_async16((kv == 0 ? kdst : vdst) + key * kS + ch * C::kG, (kv == 0 ? kc : vc) + off, valid);
+  }
+}
+
 // FP8: cp.async of the located chunks' raw codes into a staging slot (chunk i at byte 16 i of kst / vst); the
 // caller commits. The same thread converts them (convert_tile), so the slot needs no barrier.
 template <KvKind K, int D>
@@ -544,11 +570,12 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     for (int t = 0; t < kAhead; ++t) {
       const int kt = lo + t * kN;
       if (kt <= pos_last) {
-        locate_tile<K, D>(table, kt, pos_last, ent);
-        if constexpr (G::kAsync)
-          copy_tile<K, D>(kc, vc, ent, kt, kvh, a.n_kv_heads, ks + t * kTile, vs + t * kTile);
-        else
+        if constexpr (G::kAsync) {
+          fetch_tile<K, D>(kc, vc, table, kt, pos_last, kvh, a.n_kv_heads, ks + t * kTile, vs + t * kTile);
+        } else {
+          locate_tile<K, D>(table, kt, pos_last, ent);
           stage_tile<K, D>(kc, vc, ent, kt, kvh, a.n_kv_heads, kst + t * G::kStageBytes, vst + t * G::kStageBytes);
+        }
       }
       cp_async_commit();  // (empty groups keep one group per tile)
     }
@@ -567,12 +594,22 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     T* vb = vs + (it % kBuf) * kTile;
     if constexpr (G::kAsync) {
       // This thread's copies of tile it have landed; after the barrier everyone's have, and every warp is done
-      // with tile it - 1, whose buffer now takes tile it + kAhead (its page-table entries read before the wait).
-      const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
-      if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
-      cp_async_wait<kAhead - 1>();
-      __syncthreads();
-      if (kn <= pos_last) copy_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
+      // with tile it - 1, whose buffer now takes tile it + kAhead. Its page-table entries are read before the
+      // wait where registers allow; at the 128-register cap of two blocks per SM (head_dim <= 64) holding them
+      // across the barrier made ptxas spill in the loop and cost 3 % (thirty-fifth session), so after it there.
+      if constexpr (G::kMinBlocks == 1) {
+        const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
+        if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
+        cp_async_wait<kAhead - 1>();
+        __syncthreads();
+        if (kn <= pos_last) copy_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
+      } else {
+        cp_async_wait<kAhead - 1>();
+        __syncthreads();
+        const int kn = k0 + kAhead * kN, nb = (it + kAhead) % kBuf;
+        if (kn <= pos_last)
+          fetch_tile<K, D>(kc, vc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
+      }
       cp_async_commit();
     } else if constexpr (G::kStaged && kBuf == 2) {
       // After the barrier tile it is converted by everyone and every warp is done with tile it - 1, whose
