@@ -1,7 +1,7 @@
 // Prefill attention; see flash_attention.cuh. Block = 8 warps = 128 query rows; row r is token
 // r / group of the tile and head kv_head * group + r % group, so every row of a block reads the same K/V.
 // Per 64-key tile (32 for fp32 tiles of 128 operand elements a row): the block brings K and V from the
-// cache into padded shared memory (BF16 copied as it is, FP8 codes staged and converted to fp16, fp32 split), each warp computes S = Q K^T for its 16 rows (mma m16n8k16, fp32
+// cache into padded shared memory (see Tile), each warp computes S = Q K^T for its 16 rows (mma m16n8k16, fp32
 // accumulate), masks (causal, window), updates its online softmax (max, sum in fp32, base-2 exponent) and adds
 // P V (P from the S accumulators, V through ldmatrix.trans). Operand types by cache kind:
 //   BF16: Q, K, P, V in bf16 (Q and P rounded to 2^-9 relative, as the cache rounds K and V).
