@@ -120,9 +120,8 @@ __device__ __forceinline__ void cp_async_wait() {
 //   BF16 (kAsync): the bytes are the operand; cp.async fills the next tiles' buffers while one is computed (kBuf
 //     2 or 3 in the kernel).
 //   FP8 (kStaged): the raw codes go by cp.async two tiles ahead into two staging slots (kN x D bytes each for K and
-//     for V, after the operand buffers); the thread that copied a chunk converts it into an operand buffer once its
-//     own copies landed (no barrier for the slot), so only the conversion is left between the barriers. Two operand
-//     buffers (one barrier per tile) where they fit, else one (two barriers).
+//     for V, after the operand buffer); the thread that copied a chunk converts it into the one operand buffer once
+//     its own copies landed (no barrier for the slot), so only the conversion is left between the barriers.
 //   fp32: loaded, split and stored through registers into one buffer.
 template <KvKind K, int D>
 struct Tile {
@@ -136,8 +135,11 @@ struct Tile {
   static constexpr int kStageBytes = kStaged ? kN * D : 0;  // one staging slot of K (or V) codes
   static constexpr int kThreads = kWarps * 32, kRows = kWarps * 16;
   static constexpr int kMinBlocks = D <= 64 && kPlanes == 1 ? 2 : 1;  // per SM, through the register cap
-  // Buffers of the large form (see big_form_fits) and of the small one.
-  static constexpr int kBigBuf = kAsync ? 3 : kStaged ? 2 : 1, kSmallBuf = kAsync ? 2 : 1;
+  // Operand buffers of the large form (see big_form_fits) and of the small one. Measured (H100, thirty-fifth
+  // session): BF16 three buffers pay at head_dim 64 (+2-3 %) but cost head_dim 128 3-4 % against two; a second
+  // FP8 operand buffer (tile it + 1 converted while tile it is computed, one barrier per tile) was 0-2 % slower
+  // than one.
+  static constexpr int kBigBuf = kAsync ? (D <= 64 ? 3 : 2) : 1, kSmallBuf = kAsync ? 2 : 1;
   // Dynamic shared memory of K and V with `buffers` operand buffers each (and two staging slots each).
   static constexpr int smem_bytes(int buffers) {
     return 2 * buffers * kElems * static_cast<int>(sizeof(T)) + 2 * 2 * kStageBytes;
@@ -461,9 +463,8 @@ __device__ __forceinline__ void tile_step(const uint32_t (&qa)[Tile<K, D>::kPlan
 
 // kBuf operand buffers for K and for V. BF16: 2 or 3 (cp.async: kBuf - 1 tiles in flight while one is computed;
 // the refill of a buffer is issued after the barrier that follows every warp's use of it, so one barrier per
-// tile suffices). FP8: 2 (tile it + 1 converted from its staging slot into the other buffer while tile it is
-// computed: one barrier per tile) or 1 (convert, barrier, compute, barrier); the codes of two tiles in flight
-// either way. fp32: 1 (load and split, barrier, compute, barrier).
+// tile suffices). FP8: 1 (convert, barrier, compute, barrier), the codes of the next two tiles in flight.
+// fp32: 1 (load and split, barrier, compute, barrier).
 template <KvKind K, int D, int kBuf>
 __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
     flash_attention_kernel(const float* __restrict__ q, const typename KvElem<K>::T* __restrict__ kc,
@@ -475,7 +476,7 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
   using T = typename G::T;
   constexpr int kN = G::kN, kP = G::kPlanes, kKs = D / 16, kRows = G::kRows;
   constexpr int kTile = G::kElems;
-  static_assert(G::kAsync ? kBuf >= 2 : G::kStaged ? kBuf == 1 || kBuf == 2 : kBuf == 1);
+  static_assert(G::kAsync ? kBuf >= 2 : kBuf == 1);
   // K buffers, then V buffers (G::smem_bytes(kBuf)), then FP8's staging slots: K's two, V's two.
   extern __shared__ __align__(16) unsigned char fa_smem[];
   T* ks = reinterpret_cast<T*>(fa_smem);
@@ -580,15 +581,6 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
       cp_async_commit();  // (empty groups keep one group per tile)
     }
   }
-  if constexpr (G::kStaged && kBuf == 2) {  // tile 0 into buffer 0, tile 2's codes into its staging slot
-    cp_async_wait<1>();
-    convert_tile<K, D>(kst, vst, ks, vs);
-    if (lo + 2 * kN <= pos_last) {
-      locate_tile<K, D>(table, lo + 2 * kN, pos_last, ent);
-      stage_tile<K, D>(kc, vc, ent, lo + 2 * kN, kvh, a.n_kv_heads, kst, vst);
-    }
-    cp_async_commit();
-  }
   for (int k0 = lo, it = 0; k0 <= pos_last; k0 += kN, ++it) {
     T* kb = ks + (it % kBuf) * kTile;
     T* vb = vs + (it % kBuf) * kTile;
@@ -611,22 +603,9 @@ __global__ void __launch_bounds__(Tile<K, D>::kThreads, Tile<K, D>::kMinBlocks)
           fetch_tile<K, D>(kc, vc, table, kn, pos_last, kvh, a.n_kv_heads, ks + nb * kTile, vs + nb * kTile);
       }
       cp_async_commit();
-    } else if constexpr (G::kStaged && kBuf == 2) {
-      // After the barrier tile it is converted by everyone and every warp is done with tile it - 1, whose
-      // buffer now takes tile it + 1 (this thread's codes of it have landed); its slot then takes tile it + 3.
-      const int kn = k0 + 3 * kN, slot = (it + 1) % 2;
-      if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
-      __syncthreads();
-      cp_async_wait<1>();
-      if (k0 + kN <= pos_last)
-        convert_tile<K, D>(kst + slot * G::kStageBytes, vst + slot * G::kStageBytes, ks + slot * kTile,
-                           vs + slot * kTile);
-      if (kn <= pos_last)
-        stage_tile<K, D>(kc, vc, ent, kn, kvh, a.n_kv_heads, kst + slot * G::kStageBytes,
-                         vst + slot * G::kStageBytes);
-      cp_async_commit();
     } else if constexpr (G::kStaged) {
-      // One buffer: tile it's codes (landed for this thread) converted, its slot refilled with tile it + 2.
+      // Tile it's codes (landed for this thread) converted into the buffer (every warp is done with tile it - 1:
+      // the barrier at the loop's end), its slot refilled with tile it + 2.
       const int kn = k0 + 2 * kN, slot = it % 2;
       if (kn <= pos_last) locate_tile<K, D>(table, kn, pos_last, ent);
       cp_async_wait<1>();
@@ -687,13 +666,12 @@ void launch_with(const float* q, const void* kc, const void* vc, const DevBatch&
   CUDA_CHECK(cudaGetLastError());
 }
 
-// The large form (Tile::kBigBuf operand buffers: BF16 three, FP8 two) where kMinBlocks blocks of it fit one SM's
-// shared memory (Hopper: 228 KiB per SM), else the small one (kSmallBuf): sm_120 / sm_121 have ~100 KiB per SM
-// and 99 KiB per block, where a third BF16 buffer would cost head_dim 64 its second block per SM and fits neither
-// head_dim 128's three BF16 nor its two FP8 buffers with their staging slots.
+// The large form (Tile::kBigBuf operand buffers: BF16 three at head_dim <= 64) where kMinBlocks blocks of it fit
+// one SM's shared memory (Hopper: 228 KiB per SM), else the small one (kSmallBuf: two): sm_120 / sm_121 have
+// ~100 KiB per SM and 99 KiB per block, where a third buffer would cost head_dim 64 its second block per SM.
 template <KvKind K, int D>
 bool big_form_fits() {
-  // NIBBLE_FA_BUFFERS=2 takes the small forms anywhere (a ctest entry checks them on an sm_90 GPU; Model::load
+  // NIBBLE_FA_BUFFERS=2 takes the small form anywhere (a ctest entry checks it on an sm_90 GPU; Model::load
   // rejects other values).
   static const bool force_small = [] {
     const char* e = std::getenv("NIBBLE_FA_BUFFERS");

@@ -65,7 +65,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // tile: 0 never, 1 always, 2 always with two fragment sets; unset: where experts average >= 192 rows),
   // NIBBLE_MOE_WSR_BM (128 or 256: its token-tile height), NIBBLE_WS_RS (0-2: the sm_90a dense tile's variant,
   // gemm_fp4.cuh gemm_ws_rs), NIBBLE_WS_BM (128 or 256: its tokens per tile) and, read by the flash-attention
-  // launcher, NIBBLE_FA_BUFFERS (2: the small forms sm_120 / sm_121 take -- two BF16 buffers, one FP8 -- on any GPU).
+  // launcher, NIBBLE_FA_BUFFERS (2: the BF16 cache's two-buffer kernels sm_120 / sm_121 take, on any GPU).
   // (Values unused in a CPU-only build.)
   NB_ASSIGN_OR_RETURN([[maybe_unused]] const char* gemm_acts, env_choice("NIBBLE_GEMM_ACTIVATIONS", "fp16", "hi-lo"));
   NB_RETURN_IF_ERROR(env_choice("NIBBLE_FP4_STREAM", "0", "1").status());

@@ -204,8 +204,8 @@ TEST_F(FlashAttention, MixedStepMatchesCpu) {
 }
 
 // One long prompt: many key tiles per block, tiles skipped by the causal bound. The FP8 cases run the staged
-// pipeline (codes two tiles ahead, two operand buffers; one under NIBBLE_FA_BUFFERS=2) through many tiles,
-// a window that starts mid-tile and a prompt after a cached prefix.
+// pipeline (codes two tiles ahead in two slots) through many tiles, a window that starts mid-tile and a prompt
+// after a cached prefix.
 TEST_F(FlashAttention, LongPromptMatchesCpu) {
   run({16, 2, 64, 0, true, {{0, 700}}}, DType::kF32);
   run({16, 2, 64, 128, true, {{300, 400}}}, DType::kBF16);

@@ -156,7 +156,7 @@ def test_gemm_measurement_envs_are_checked():
     NIBBLE_MOE_VARIANT (0-3: a portable block tile for the MoE GEMMs), NIBBLE_WS_RS (0-2: the sm_90a dense
     tile's variant), NIBBLE_WS_BM (128 or 256: its tokens per tile), NIBBLE_MOE_WSR (0-2: the sm_90a MoE
     GEMMs' tile), NIBBLE_MOE_WSR_BM (128 or 256: its tokens per tile) and NIBBLE_FA_BUFFERS (2: flash
-    attention's small forms) are measurement switches; a misspelt value is a one-line error, not a
+    attention's two-buffer BF16 kernels) are measurement switches; a misspelt value is a one-line error, not a
     silent default."""
     model = ROOT / "models" / "default"
     args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
