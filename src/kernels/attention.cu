@@ -10,6 +10,7 @@
 // round trip per 8 keys of a warp instead of one per key, and one split up to 128 keys.
 #include "kernels/attention.cuh"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 
@@ -425,6 +426,228 @@ __global__ void __launch_bounds__(kKeyWarps * 32) attention_keys_kernel(const fl
   finish_split<kKeyWarps, kDims>(parts, t, h, split, n_live, sink, a, ml, po, attn_out);
 }
 
+// ---- Decode attention over long contexts: one block per (KV head, split) for all of the group's query heads ----
+// The kernel above gives each query head its own blocks, so each K/V row of a group is read by `group` blocks
+// (8 for gpt-oss: at a 16K context ~270 MB per layer from L2 for 33.5 MB of cache), and its ~1000 blocks of
+// short walks run in waves. Here a block takes a KV head's split for every query head of its group: the same
+// chunk loads as the keys kernel (four lanes per key for K, lanes over dims for V, 8 keys per warp), each key
+// decoded once and dotted with the group's q rows from shared memory; the chunk's weights go through shared
+// memory (one broadcast read per key and 4 heads) instead of a shuffle per key and head. Warp g merges query
+// head g: its split's partial (or, for a context of one split, the output), then, if it is the last split to
+// arrive, every split's partial -- warp-level, so that the group's heads merge side by side.
+constexpr int kGroupWarps = 8, kMaxGroup = 8;
+constexpr int kGroupSplitKeys = kGroupWarps * kWarpKeys;  // a split's least keys (one chunk per warp)
+
+// Warp-level combine_splits for (token, head) th: S splits' partials merged into out (and staged, write_head).
+template <int D>
+__device__ void warp_combine(int64_t th, const float* __restrict__ ml, const float* __restrict__ po,
+                             const AttnShape& a, int S, float* __restrict__ out) {
+  const int lane = threadIdx.x & 31, h = static_cast<int>(th % a.n_heads), stride = a.n_splits, hd = a.head_dim;
+  float ms[2], ls[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int sp = lane + 32 * j;
+    ms[j] = sp < S ? __ldcg(ml + 2 * (th * stride + sp)) : -INFINITY;
+    ls[j] = sp < S ? __ldcg(ml + 2 * (th * stride + sp) + 1) : 0.0f;
+  }
+  const float sink = a.sinks ? a.sinks[h] : -INFINITY;
+  const float m = fmaxf(warp_max(fmaxf(ms[0], ms[1])), sink);
+  float l = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) l += ms[j] == -INFINITY ? 0.0f : ls[j] * expf(ms[j] - m);
+  l = warp_sum(l) + (a.sinks ? expf(sink - m) : 0.0f);  // the sink only adds to the denominator
+  float wt[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) wt[j] = ms[j] == -INFINITY ? 0.0f : expf(ms[j] - m) / l;
+  float v[D] = {};
+#pragma unroll 4
+  for (int sp = 0; sp < S; ++sp) {
+    const float w = __shfl_sync(0xffffffffu, sp < 32 ? wt[0] : wt[1], sp & 31);
+#pragma unroll
+    for (int i = 0; i < D; ++i) v[i] += __ldcg(po + (th * stride + sp) * hd + lane + 32 * i) * w;
+  }
+  write_head(a, th, v, out);
+}
+
+template <KvKind K, int HD>
+__global__ void __launch_bounds__(kGroupWarps * 32) attention_group_kernel(const float* __restrict__ q,
+                                                                          const typename KvElem<K>::T* __restrict__ kc,
+                                                                          const typename KvElem<K>::T* __restrict__ vc,
+                                                                          DevBatch b, AttnShape a, float* __restrict__ ml,
+                                                                          float* __restrict__ po,
+                                                                          float* __restrict__ attn_out) {
+  using E = KvElem<K>;
+  using T = typename E::T;
+  constexpr int kDims = HD / 32;                                      // V dims per lane
+  constexpr int kKDims = HD / kKeyLanes;                              // K dims per lane
+  constexpr int kKWords = kKDims * static_cast<int>(sizeof(T)) / 16;  // ... in 16-byte words
+  static_assert(kKWords >= 1 && kKDims * sizeof(T) % 16 == 0);
+  // Before the wait, as the keys kernel: splits without keys exit.
+  const int kvh = blockIdx.x, split = blockIdx.z;
+  const int64_t t = blockIdx.y;
+  if (skipped(b, a, t)) return;
+  const int pos = __ldcg(b.positions + t);
+  const int first = a.window > 0 ? max(0, pos - a.window + 1) : 0;
+  const int len = pos - first + 1, per = max(kGroupSplitKeys, (len + a.n_splits - 1) / a.n_splits);
+  const int n_live = (len + per - 1) / per;
+  if (split >= n_live) return;
+  const int group = a.n_heads / a.n_kv_heads, h0 = kvh * group;  // query heads h0 .. h0 + group - 1
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, key = lane / kKeyLanes, part = lane % kKeyLanes;
+  const int row = a.n_kv_heads * HD;
+  const int begin = first + split * per, end = min(pos + 1, begin + per);
+  const int32_t* table = b.tables + __ldcg(b.seq_of + t) * b.table_stride;
+  // (The chunk loads repeat the keys kernel's: sharing them moved that kernel's registers.)
+  auto slot_of = [&](int c) {
+    const int kp = c + key;
+    return kp < end ? __ldcg(table + kp / kKvBlock) * kKvBlock + kp % kKvBlock : 0;
+  };
+  uint4 kr[kKWords];
+  Elems<T, kDims> vr[kWarpKeys];
+  auto load_chunk = [&](int c, int slot, int lo, int hi) {
+    const int n = min(kWarpKeys, end - c);
+    if (key < n && c + key >= lo && c + key < hi) {
+      const uint4* src = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(slot) * row + kvh * HD + part * kKDims);
+#pragma unroll
+      for (int w = 0; w < kKWords; ++w) kr[w] = __ldcg(src + w);
+    }
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j) {
+      const int sj = __shfl_sync(0xffffffffu, slot, j * kKeyLanes);
+      if (j < n && c + j >= lo && c + j < hi)
+        vr[j] = load_elems<T, kDims>(vc + static_cast<int64_t>(sj) * row + kvh * HD + lane * kDims);
+    }
+  };
+  const int c0 = begin + kWarpKeys * warp;
+  int slot = slot_of(c0);
+  const bool early = b.n_tokens == 1 && c0 < end;
+  if (early) load_chunk(c0, slot, INT_MIN, pos);
+  pdl_wait();  // q and the newest key and value come from the previous kernels
+  if (early) load_chunk(c0, slot, pos, pos + 1);
+  else if (c0 < end) load_chunk(c0, slot, INT_MIN, INT_MAX);
+  __shared__ __align__(16) float qs[kMaxGroup][HD];
+  __shared__ __align__(16) float pw[kGroupWarps][kWarpKeys][kMaxGroup];  // a chunk's weights: key j, head g
+  for (int i = threadIdx.x; i < group * HD; i += kGroupWarps * 32)
+    qs[i / HD][i % HD] = q[(t * a.n_heads + h0) * HD + i] * a.scale;
+  __syncthreads();
+
+  float m[kMaxGroup], l[kMaxGroup], o[kMaxGroup][kDims];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kDims; ++e) o[g][e] = 0.0f;
+  }
+  for (int c = c0; c < end; c += kGroupSplitKeys) {
+    const int n = min(kWarpKeys, end - c);  // keys c .. c + n - 1; lanes 4j .. 4j + 3 hold key c + j
+    const bool live = key < n;
+    const bool more = c + kGroupSplitKeys < end;
+    const int next_slot = more ? slot_of(c + kGroupSplitKeys) : 0;  // (its round trip under this chunk's math)
+    float kf[kKDims];  // the lane's quarter of the key, decoded once for every head
+#pragma unroll
+    for (int i = 0; i < kKDims; ++i) kf[i] = word_elem<K>(kr, i);
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g >= group) break;
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kKDims; i += 4) {
+        const float4 qq = *reinterpret_cast<const float4*>(&qs[g][part * kKDims + i]);
+        s += qq.x * kf[i] + qq.y * kf[i + 1] + qq.z * kf[i + 2] + qq.w * kf[i + 3];
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);  // the key's four quarters
+      if (!live) s = -INFINITY;
+      // Max and sum over the warp's 8 keys (the four lanes of a key hold the same values).
+      float mx = s;
+#pragma unroll
+      for (int x = 4; x < 32; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+      const float m_new = fmaxf(m[g], mx), corr = expf(m[g] - m_new);
+      const float p = live ? expf(s - m_new) : 0.0f;
+      float ps = p;
+#pragma unroll
+      for (int x = 4; x < 32; x <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, x);
+      l[g] = l[g] * corr + ps;
+      m[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < kDims; ++e) o[g][e] *= corr;
+      if (part == 0) pw[warp][key][g] = p;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j) {
+      if (j < n) {
+        float vj[kDims];
+#pragma unroll
+        for (int e = 0; e < kDims; ++e) vj[e] = E::dec(vr[j].e[e]);
+#pragma unroll
+        for (int g4 = 0; g4 < kMaxGroup; g4 += 4) {
+          if (g4 >= group) break;
+          const float4 p4 = *reinterpret_cast<const float4*>(&pw[warp][j][g4]);
+          const float pj[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+          for (int gg = 0; gg < 4; ++gg)
+#pragma unroll
+            for (int e = 0; e < kDims; ++e) o[g4 + gg][e] += pj[gg] * vj[e];
+        }
+      }
+    }
+    __syncwarp();  // pw is rewritten by the next chunk
+    if (more) slot = next_slot, load_chunk(c + kGroupSplitKeys, slot, INT_MIN, INT_MAX);
+  }
+  // The block's warps merged per query head: warp g takes head g.
+  __shared__ float wm[kGroupWarps][kMaxGroup], wl[kGroupWarps][kMaxGroup];
+  __shared__ __align__(16) float wo[kGroupWarps][kMaxGroup][HD];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g >= group) break;
+    if (lane == 0) wm[warp][g] = m[g], wl[warp][g] = l[g];
+#pragma unroll
+    for (int e = 0; e < kDims; ++e) wo[warp][g][lane * kDims + e] = o[g][e];
+  }
+  __syncthreads();
+  if (warp >= group) return;
+  const int h = h0 + warp;
+  const int64_t th = t * a.n_heads + h;
+  const bool direct = n_live == 1;
+  const float sink = a.sinks ? a.sinks[h] : -INFINITY;
+  float bm = direct ? sink : -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kGroupWarps; ++w) bm = fmaxf(bm, wm[w][warp]);
+  float ww = 0.0f;  // lane w < kGroupWarps: warp w's factor to the common max
+  if (lane < kGroupWarps) ww = wm[lane][warp] == -INFINITY ? 0.0f : expf(wm[lane][warp] - bm);
+  float bl = lane < kGroupWarps ? wl[lane][warp] * ww : 0.0f;
+  bl = warp_sum(bl) + (direct && a.sinks ? expf(sink - bm) : 0.0f);  // the sink only adds to the denominator
+  float v[kDims];
+#pragma unroll
+  for (int i = 0; i < kDims; ++i) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kGroupWarps; ++w) acc += wo[w][warp][lane + 32 * i] * __shfl_sync(0xffffffffu, ww, w);
+    v[i] = acc;
+  }
+  if (direct) {
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) v[i] /= bl;
+    write_head(a, th, v, attn_out);
+    return;
+  }
+  const int64_t out = th * a.n_splits + split;
+#pragma unroll
+  for (int i = 0; i < kDims; ++i) po[out * HD + lane + 32 * i] = v[i];
+  if (lane == 0) ml[2 * out] = bm, ml[2 * out + 1] = bl;
+  // The last split of (token, head) to finish merges them all (its count reset for the next launch).
+  __threadfence();  // this warp's partial is visible device-wide before it counts
+  __syncwarp();
+  unsigned last = 0;
+  if (lane == 0) {
+    last = atomicAdd(&a.arrivals[th], 1u) == static_cast<unsigned>(n_live) - 1;
+    if (last) a.arrivals[th] = 0u;
+  }
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence();
+  warp_combine<kDims>(th, ml, po, a, n_live, attn_out);
+}
+
 // NIBBLE_ATTN_KEYS=0 keeps decode on the key-by-key kernel (a measurement knob).
 bool keys_kernel_enabled() {
   static const bool on = knob_on("NIBBLE_ATTN_KEYS");
@@ -437,6 +660,13 @@ void attention_for(const float* q, const void* kc, const void* vc, const DevBatc
   using T = typename KvElem<K>::T;
   float* ml = ws;
   float* po = ws + b.n_tokens * a.n_heads * a.n_splits * 2;
+  if (a.grouped) {  // (attention_group_ok)
+    auto kernel = a.head_dim == 64 ? attention_group_kernel<K, 64> : attention_group_kernel<K, 128>;
+    launch_pdl(kernel, dim3(a.n_kv_heads, b.n_tokens, a.n_splits), kGroupWarps * 32, 0, s, q, static_cast<const T*>(kc),
+               static_cast<const T*>(vc), b, a, ml, po, out);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const dim3 grid(a.n_heads, b.n_tokens, a.n_splits);
   if (a.arrivals && keys_kernel_enabled() && (a.head_dim == 64 || a.head_dim == 128)) {
     auto kernel = a.head_dim == 64 ? attention_keys_kernel<K, 64> : attention_keys_kernel<K, 128>;
@@ -473,6 +703,36 @@ void launch_kv_write(KvKind kind, void* kc, void* vc, const float* k, const floa
   CUDA_CHECK(cudaGetLastError());
 }
 
+bool attention_group_ok(const AttnShape& a) {
+  const int group = a.n_kv_heads > 0 ? a.n_heads / a.n_kv_heads : 0;
+  return a.arrivals && (a.head_dim == 64 || a.head_dim == 128) && group >= 2 && group <= kMaxGroup &&
+         a.n_heads % a.n_kv_heads == 0;
+}
+
+int attention_group_blocks_per_sm(KvKind kind, int head_dim) {
+  static int known[3][2] = {};  // per kind and head_dim (the process's one device)
+  int& n = known[static_cast<int>(kind)][head_dim == 64 ? 0 : 1];
+  if (n > 0) return n;
+  auto per_sm = [](auto kernel) {
+    int b = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kGroupWarps * 32, 0));
+    return std::max(b, 1);
+  };
+  auto of = [&](auto k64, auto k128) { return head_dim == 64 ? per_sm(k64) : per_sm(k128); };
+  switch (kind) {
+    case KvKind::kF32:
+      n = of(attention_group_kernel<KvKind::kF32, 64>, attention_group_kernel<KvKind::kF32, 128>);
+      break;
+    case KvKind::kBF16:
+      n = of(attention_group_kernel<KvKind::kBF16, 64>, attention_group_kernel<KvKind::kBF16, 128>);
+      break;
+    case KvKind::kFP8:
+      n = of(attention_group_kernel<KvKind::kFP8, 64>, attention_group_kernel<KvKind::kFP8, 128>);
+      break;
+  }
+  return n;
+}
+
 bool attention_can_stage(int64_t n_tokens, const AttnShape& a) {
   return n_tokens == 1 && a.head_dim % 32 == 0 && static_cast<int64_t>(a.n_heads) * a.head_dim <= 4 * kChunk;
 }
@@ -487,6 +747,7 @@ void launch_attention(KvKind kind, const float* q, const void* kc, const void* v
            "attention: head_dim must be <= 256 and heads a multiple of kv heads");
   NB_CHECK(a.n_splits >= 1 && a.n_splits <= kMaxSplits && b.n_tokens <= 65535, "attention: grid");
   NB_CHECK(a.skip_min_new <= 0 || a.seq_begin, "attention: skip_min_new needs seq_begin");
+  NB_CHECK(!a.grouped || attention_group_ok(a), "attention: grouped decode needs head_dim 64 / 128, 2-8 heads per KV head");
   NB_CHECK(!a.stage_planes || (attention_can_stage(b.n_tokens, a) && a.stage_shifts),
            "attention: staged output is for one token and head_dim % 32 == 0");
   switch (kind) {

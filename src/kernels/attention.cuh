@@ -47,7 +47,14 @@ struct AttnShape {
   // (padding groups 127: they never set the row's minimum).
   uint16_t* stage_planes = nullptr;
   int8_t* stage_shifts = nullptr;
+  // One block per (KV head, split) for all of the group's query heads, each K/V row read once (long contexts;
+  // attention_group_ok): grid n_kv_heads x n_tokens x n_splits instead of n_heads x ...
+  bool grouped = false;
 };
+// Whether the grouped decode kernel takes the shape (head_dim 64 or 128, 2..8 query heads per KV head, arrivals).
+bool attention_group_ok(const AttnShape& a);
+// Resident blocks per SM of the grouped kernel for a cache kind and head_dim (64 or 128): its splits fill one wave.
+int attention_group_blocks_per_sm(KvKind kind, int head_dim);
 // Whether launch_attention can stage its output for the O projection (AttnShape::stage_planes).
 bool attention_can_stage(int64_t n_tokens, const AttnShape& a);
 // Scratch floats the launch needs for `n_tokens` tokens.

@@ -176,7 +176,7 @@ def test_gemm_measurement_envs_are_checked():
 @pytest.mark.parametrize("var", ["NIBBLE_FP4_STREAM", "NIBBLE_DECODE_FUSION", "NIBBLE_GEMM_WS", "NIBBLE_FC1_EVEN",
                                  "NIBBLE_ATTN_KEYS", "NIBBLE_L2_PREFETCH", "NIBBLE_FP4_MMA", "NIBBLE_WGMMA",
                                  "NIBBLE_DEFER_ROUTES", "NIBBLE_FUSED_HEAD", "NIBBLE_O_STAGED", "NIBBLE_GEMM_FP8",
-                                 "NIBBLE_MOE_DENSE_GEMM"])
+                                 "NIBBLE_MOE_DENSE_GEMM", "NIBBLE_ATTN_GROUP"])
 def test_zero_one_env_is_checked(var):
     """NIBBLE_FP4_STREAM (CUDA one-token FP4 GEMV), NIBBLE_DECODE_FUSION (CUDA decode fusions),
     NIBBLE_GEMM_WS (the warp-specialized sm_90a prefill GEMM), NIBBLE_FC1_EVEN (the one-token MoE FC1
@@ -185,7 +185,8 @@ def test_zero_one_env_is_checked(var):
     prefill GEMM tile), NIBBLE_DEFER_ROUTES (the one-token MoE kernels selecting their experts),
     NIBBLE_FUSED_HEAD (the one-token attention head in one kernel), NIBBLE_O_STAGED (decode attention
     staging the O projection's input), NIBBLE_GEMM_FP8 (the sm_90a W4A8 dense prefill GEMMs) and
-    NIBBLE_MOE_DENSE_GEMM (BF16 experts' prefill through cuBLASLt) take 0 or 1; anything else is a one-line error."""
+    NIBBLE_MOE_DENSE_GEMM (BF16 experts' prefill through cuBLASLt) and NIBBLE_ATTN_GROUP (the grouped long-context
+    decode attention) take 0 or 1; anything else is a one-line error."""
     model = ROOT / "models" / "default"
     args = ["run", "-m", model, "--device", "cpu", "--prompt-tokens", "1 2", "-n", 2, "--print-tokens"]
     assert_one_line_error(nibble(*args, check=False, env={var: "off"}), f"{var}=off", "0 or 1")

@@ -182,7 +182,9 @@ struct CudaBackend::Impl {
   const int32_t* d_logit_rows = nullptr;
   const int32_t* d_seq_begin = nullptr;  // [n_seqs + 1] token ranges, for prefill attention
   std::vector<int32_t> h_logit_rows;
-  std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*>, GraphRec> graphs;
+  // Keyed by the batch's shape and, since decode attention takes another kernel past kGroupMinKeys keys
+  // (grouped_decode), whether some context is that long.
+  std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*, bool>, GraphRec> graphs;
   std::unique_ptr<cuda::DenseGemm> dense_gemm;  // cuBLASLt, made at the first BF16 prefill GEMM
   // Arrival counters for kernels whose last block to finish does a reduction (norm_route, attention):
   // zeroed once here, and every such kernel leaves the counters it used at zero. Stream order keeps two
@@ -791,6 +793,22 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
 // stage_o_input), in the one buffer, (re)made and cleared when the row length changes (the padding past k
 // must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
 // (attention() has reset staged_o_of: a launch that does not stage leaves no record.)
+// Decode attention over long contexts reads each K/V row once for the group's query heads (the grouped kernel,
+// kernels/attention.cu) instead of once per query head. Past kGroupMinKeys keys of some sequence in the batch
+// (and a window, if any, longer than that), or always / never with NIBBLE_ATTN_GROUP=1 / 0 (a measurement
+// switch). A function of long_context(b) and the layer's window only, so that it is part of the graph key.
+constexpr int kGroupMinKeys = 1024;
+static bool long_context(const BatchInfo& b) {
+  for (const SeqInfo& s : b.seqs)
+    if (s.n_past + s.n_new > kGroupMinKeys) return true;
+  return false;
+}
+static bool grouped_decode(const BatchInfo& b, int window) {
+  static const char* force = std::getenv("NIBBLE_ATTN_GROUP");  // (Model::load checks its value)
+  if (force) return force[0] == '1';
+  return long_context(b) && (window <= 0 || window > kGroupMinKeys);
+}
+
 static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
   if (!I.options.stage_o_input || I.staged_o_unused || !I.options.gemm_fp16_activations ||
       !cuda::attention_can_stage(n_tokens, a))
@@ -850,6 +868,14 @@ Tensor CudaBackend::attention(const Tensor& q, const KvCache& cache, int layer, 
   const int64_t want = (8 * impl_->info.sm_count + a.n_heads * n_split_tokens - 1) / (a.n_heads * n_split_tokens);
   a.n_splits = static_cast<int>(std::clamp<int64_t>(want, 1, 64));
   if (impl_->options.decode_fusion && b.n_tokens() * a.n_heads <= kArrivals) a.arrivals = impl_->arrivals;
+  if (grouped_decode(b, a.window) && cuda::attention_group_ok(a)) {
+    // One block per (KV head, split): as many splits as fill one wave of resident blocks.
+    a.grouped = true;
+    const int64_t n = a.n_kv_heads * n_split_tokens;
+    const int64_t blocks = int64_t{cuda::attention_group_blocks_per_sm(kv_kind_of(kc.dtype), a.head_dim)} *
+                           impl_->info.sm_count;
+    a.n_splits = static_cast<int>(std::clamp<int64_t>((blocks + n - 1) / n, 1, 64));
+  }
   stage_attention_output(*impl_, a, b.n_tokens(), out);
   Tensor ws = alloc(DType::kF32, {cuda::attention_workspace_floats(b.n_tokens(), a)});
   cuda::launch_attention(kv_kind_of(kc.dtype), q.data<float>(), kc.data<uint8_t>(), cache.v[layer].data<uint8_t>(),
@@ -1162,7 +1188,7 @@ Tensor CudaBackend::run_graphed(const BatchInfo& b, const KvCache& cache, const 
   // The graph bakes in the cache's buffers: a new cache at the same address must not replay an old graph.
   std::vector<const void*> cache_ptrs;
   for (size_t l = 0; l < cache.k.size(); ++l) cache_ptrs.push_back(cache.k[l].storage.get()), cache_ptrs.push_back(cache.v[l].storage.get());
-  GraphRec& g = I.graphs[{b.n_tokens(), b.seqs.size(), stride, b.logit_rows.size(), &cache}];
+  GraphRec& g = I.graphs[{b.n_tokens(), b.seqs.size(), stride, b.logit_rows.size(), &cache, long_context(b)}];
   if (g.cache_ptrs != cache_ptrs) {
     if (g.exec) CUDA_CHECK(cudaGraphExecDestroy(g.exec));
     g.exec = nullptr;
