@@ -797,6 +797,10 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
 // kernels/attention.cu) instead of once per query head. Past kGroupMinKeys keys of some sequence in the batch
 // (and a window, if any, longer than that), or always / never with NIBBLE_ATTN_GROUP=1 / 0 (a measurement
 // switch). A function of long_context(b) and the layer's window only, so that it is part of the graph key.
+// kGroupAuto: the kernel has not run on a GPU yet (thirty-fifth session: no device time left), so it is taken
+// only under NIBBLE_ATTN_GROUP=1 until its test (ctest cuda_backend_test_attn_group) and a measurement at depth
+// (bench/NOTES.md) say where it pays.
+constexpr bool kGroupAuto = false;
 constexpr int kGroupMinKeys = 1024;
 static bool long_context(const BatchInfo& b) {
   for (const SeqInfo& s : b.seqs)
@@ -806,7 +810,7 @@ static bool long_context(const BatchInfo& b) {
 static bool grouped_decode(const BatchInfo& b, int window) {
   static const char* force = std::getenv("NIBBLE_ATTN_GROUP");  // (Model::load checks its value)
   if (force) return force[0] == '1';
-  return long_context(b) && (window <= 0 || window > kGroupMinKeys);
+  return kGroupAuto && long_context(b) && (window <= 0 || window > kGroupMinKeys);
 }
 
 static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
