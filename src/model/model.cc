@@ -54,8 +54,8 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, const ModelOp
   // by the kernels) NIBBLE_DECODE_FUSION (CudaBackendOptions::decode_fusion), NIBBLE_GEMM_WS (::gemm_ws;
   // unset: the backend's choice), NIBBLE_GEMM_FP8 (::gemm_fp8_activations, off by default; on the CPU backend its emulation), NIBBLE_FC1_EVEN
   // (the one-token MoE FC1 grid, read by its launcher), NIBBLE_STREAM_ONE_ROUND (the one-token FP4 kernels' one-round grids, read by their launchers),
-  // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_ATTN_GROUP (the
-  // grouped long-context decode attention: 1 always, 0 never), NIBBLE_FP4_MMA
+  // NIBBLE_ATTN_KEYS (the lanes-over-keys decode attention, read by its launcher), NIBBLE_ATTN_GROUP (1: the
+  // grouped long-context decode attention, opt-in until measured; 0 never), NIBBLE_FP4_MMA
   // (the 2..8-token tensor-core FP4 GEMV), NIBBLE_WGMMA (the sm_90a prefill GEMM tile), NIBBLE_L2_PREFETCH
   // (CudaBackendOptions::l2_prefetch, off by default: 1 turns it on), NIBBLE_DEFER_ROUTES (::defer_routes),
   // NIBBLE_FUSED_HEAD (::fused_head), NIBBLE_O_STAGED (::stage_o_input) and NIBBLE_MOE_DENSE_GEMM
