@@ -496,7 +496,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32) attention_group_kernel(const
   const int row = a.n_kv_heads * HD;
   const int begin = first + split * per, end = min(pos + 1, begin + per);
   const int32_t* table = b.tables + __ldcg(b.seq_of + t) * b.table_stride;
-  // (The chunk loads repeat the keys kernel's: sharing them moved that kernel's registers.)
+  // (The chunk loads repeat the keys kernel's: the two sharing one struct changed the keys kernel's SASS, the
+  // tg128 path's, which this session could not measure.)
   auto slot_of = [&](int c) {
     const int kp = c + key;
     return kp < end ? __ldcg(table + kp / kKvBlock) * kKvBlock + kp % kKvBlock : 0;
