@@ -72,6 +72,7 @@ fi
 #   tgnofuse  tg128 at dense format mxfp4 without the decode fusions (NIBBLE_DECODE_FUSION=0; baseline)
 #   tgdepth tg128 at dense format mxfp4 after 4096- and 16384-token prompts (--depth: long-context decode)
 #   tgdbase the same with the key-by-key decode attention kernel (NIBBLE_ATTN_KEYS=0; baseline)
+#   tgdgroup the same with the grouped decode attention kernel (NIBBLE_ATTN_GROUP=1; opt-in until measured)
 #   khilo   the FP4 rows of the kernel bench with hi + lo activations (NIBBLE_GEMM_ACTIVATIONS=hi-lo; baseline)
 #   tghilo  tg128 at dense format mxfp4 with hi + lo activations (--gemm-acts hi-lo; baseline)
 #   gemm    prefill GEMMs vs cuBLASLt                      attn    prefill attention
@@ -122,11 +123,12 @@ if [ "${NIBBLE_SKIP_BENCH:-0}" != 1 ]; then
       khilo) bench kernel_hilo 200 env NIBBLE_GEMM_ACTIVATIONS=hi-lo NIBBLE_BENCH_FILTER=fp4 "$B"/src/nibble_kernel_bench ;;
       tghilo) bench e2e_hilo 120 "$B"/src/nibble_e2e_bench --pp '' --gemm-acts hi-lo --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;
-      tgdepth | tgdbase)
+      tgdepth | tgdbase | tgdgroup)
         keys=1; [ "$b" = tgdbase ] && keys=0
+        group=0; [ "$b" = tgdgroup ] && group=1
         for d in 4096 16384; do
-          bench "e2e_${b}_$d" 150 env NIBBLE_ATTN_KEYS=$keys "$B"/src/nibble_e2e_bench --pp '' --depth $d \
-            --dense-formats mxfp4 configs/gpt-oss-20b configs/gpt-oss-120b
+          bench "e2e_${b}_$d" 150 env NIBBLE_ATTN_KEYS=$keys NIBBLE_ATTN_GROUP=$group "$B"/src/nibble_e2e_bench --pp '' \
+            --depth $d --dense-formats mxfp4 configs/gpt-oss-20b configs/gpt-oss-120b
         done ;;
       tgnofuse) bench e2e_nofuse 120 env NIBBLE_DECODE_FUSION=0 "$B"/src/nibble_e2e_bench --pp '' --dense-formats mxfp4 \
         configs/gpt-oss-20b configs/gpt-oss-120b ;;
