@@ -148,7 +148,7 @@ struct Tile {
 };
 
 // The 16-byte chunks of a tile's K (and V) rows a thread moves: chunk i = threadIdx.x + r * kThreads for
-// r < kPer is key i / kChunks, elements [kG (i % kChunks), + kG) of its row. A trip count known at compile time
+// r < kPer is key i / kPerRow, elements [kG (i % kPerRow), + kG) of its row. A trip count known at compile time
 // (no loop control), and one page-table lookup serves a chunk's K and V.
 template <KvKind K, int D>
 struct Chunks {

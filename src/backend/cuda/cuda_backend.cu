@@ -182,8 +182,8 @@ struct CudaBackend::Impl {
   const int32_t* d_logit_rows = nullptr;
   const int32_t* d_seq_begin = nullptr;  // [n_seqs + 1] token ranges, for prefill attention
   std::vector<int32_t> h_logit_rows;
-  // Keyed by the batch's shape and, since decode attention takes another kernel past kGroupMinKeys keys
-  // (grouped_decode), whether some context is that long.
+  // Keyed by the batch's shape and, where decode attention picks its kernel by context length (grouped_decode,
+  // kGroupAuto), whether some context is past kGroupMinKeys.
   std::map<std::tuple<int64_t, size_t, int32_t, size_t, const void*, bool>, GraphRec> graphs;
   std::unique_ptr<cuda::DenseGemm> dense_gemm;  // cuBLASLt, made at the first BF16 prefill GEMM
   // Arrival counters for kernels whose last block to finish does a reduction (norm_route, attention):
@@ -789,10 +789,6 @@ Tensor CudaBackend::norm_qkv_rope_kv_write(Tensor& x, const Tensor& y, const Ten
   return q;
 }
 
-// One token: the attention kernel also stages out for the FP4 O projection (CudaBackendOptions::
-// stage_o_input), in the one buffer, (re)made and cleared when the row length changes (the padding past k
-// must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
-// (attention() has reset staged_o_of: a launch that does not stage leaves no record.)
 // Decode attention over long contexts reads each K/V row once for the group's query heads (the grouped kernel,
 // kernels/attention.cu) instead of once per query head. Past kGroupMinKeys keys of some sequence in the batch
 // (and a window, if any, longer than that), or always / never with NIBBLE_ATTN_GROUP=1 / 0 (a measurement
@@ -813,6 +809,10 @@ static bool grouped_decode(const BatchInfo& b, int window) {
   return kGroupAuto && long_context(b) && (window <= 0 || window > kGroupMinKeys);
 }
 
+// One token: the attention kernel also stages out for the FP4 O projection (CudaBackendOptions::
+// stage_o_input), in the one buffer, (re)made and cleared when the row length changes (the padding past k
+// must be zeros, its groups' shifts 127) -- at an eager step: a decode graph's capture follows its warm-up.
+// (attention() has reset staged_o_of: a launch that does not stage leaves no record.)
 static void stage_attention_output(CudaBackend::Impl& I, cuda::AttnShape& a, int64_t n_tokens, const Tensor& out) {
   if (!I.options.stage_o_input || I.staged_o_unused || !I.options.gemm_fp16_activations ||
       !cuda::attention_can_stage(n_tokens, a))
@@ -1192,7 +1192,7 @@ Tensor CudaBackend::run_graphed(const BatchInfo& b, const KvCache& cache, const 
   // The graph bakes in the cache's buffers: a new cache at the same address must not replay an old graph.
   std::vector<const void*> cache_ptrs;
   for (size_t l = 0; l < cache.k.size(); ++l) cache_ptrs.push_back(cache.k[l].storage.get()), cache_ptrs.push_back(cache.v[l].storage.get());
-  GraphRec& g = I.graphs[{b.n_tokens(), b.seqs.size(), stride, b.logit_rows.size(), &cache, long_context(b)}];
+  GraphRec& g = I.graphs[{b.n_tokens(), b.seqs.size(), stride, b.logit_rows.size(), &cache, kGroupAuto && long_context(b)}];
   if (g.cache_ptrs != cache_ptrs) {
     if (g.exec) CUDA_CHECK(cudaGraphExecDestroy(g.exec));
     g.exec = nullptr;
